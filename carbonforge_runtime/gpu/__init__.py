@@ -1,0 +1,85 @@
+"""GPU facts as plain data, and the backend interface that produces them.
+
+Only :mod:`carbonforge_runtime.gpu.nvml` talks to the driver; :mod:`.fake` stands in for it
+in tests. "No GPU" is a normal answer (``available=False`` with a reason), never an exception.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class GpuError(Exception):
+    """An NVML failure, already translated: ``kind`` is one of
+    ``no-driver``, ``no-permission``, ``not-supported``, ``gpu-lost``, ``other``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    used_memory_mib: int | None
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    name: str
+    uuid: str
+    memory_total_mib: int
+    memory_free_mib: int
+    compute_capability: tuple[int, int] | None
+    processes: tuple[GpuProcess, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return gpu_family(self.name)
+
+    @property
+    def memory_total_gib(self) -> float:
+        return self.memory_total_mib / 1024.0
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    available: bool
+    reason: str = ""
+    driver_version: str = ""
+    cuda_driver_version: str = ""
+    devices: tuple[GpuDevice, ...] = field(default_factory=tuple)
+
+    @property
+    def count(self) -> int:
+        return len(self.devices)
+
+
+class GpuBackend(Protocol):
+    def snapshot(self) -> GpuSnapshot:
+        """Describe the GPUs; never raises for a missing driver (``available=False``)."""
+        ...
+
+
+_VENDOR_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
+
+
+def gpu_family(name: str) -> str:
+    """``'NVIDIA A100-SXM4-80GB'`` -> ``'a100'``; ``'NVIDIA GeForce RTX 4090'`` -> ``'rtx4090'``."""
+    tokens = [t for t in re.split(r"[\s\-_]+", name.lower()) if t and t not in _VENDOR_WORDS]
+    for i, token in enumerate(tokens):
+        if re.fullmatch(r"[a-z]+\d+[a-z]*", token):
+            return token
+        if re.fullmatch(r"[a-z]+", token) and i + 1 < len(tokens) and re.fullmatch(r"\d+[a-z]*", tokens[i + 1]):
+            return token + tokens[i + 1]
+    return tokens[0] if tokens else "unknown"
+
+
+def default_backend() -> GpuBackend:
+    from carbonforge_runtime.gpu.nvml import NvmlBackend
+
+    return NvmlBackend()

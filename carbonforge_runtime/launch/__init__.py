@@ -1,0 +1,1 @@
+"""Building the vLLM command (pure) and supervising the engine process."""

@@ -1,0 +1,254 @@
+"""The only module that starts child processes: the vLLM engine, in its own process group.
+
+The engine writes straight into ``vllm.log`` (no pipe to drain, so it can never block on us).
+Every wait here has a deadline, and every path out kills the whole process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+#: After SIGTERM the engine gets its drain time plus this much to exit before SIGKILL.
+SHUTDOWN_GRACE_S = 15.0
+POLL_INTERVAL_S = 0.5
+PROGRESS_INTERVAL_S = 10.0
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask the kernel to SIGTERM the engine if the runtime itself disappears."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"code {128 - code}, killed by {name}"
+    return f"code {code}"
+
+
+def log_tail(path: Path, lines: int = 25) -> list[str]:
+    try:
+        with path.open("r", encoding="utf-8", errors="replace") as handle:
+            return [line.rstrip("\n") for line in deque(handle, maxlen=lines)]
+    except OSError:
+        return []
+
+
+#: (pattern in vllm.log, hint for the operator). First match wins.
+HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"out of memory|OutOfMemoryError|memory allocation failed|CUDA error: out of memory|"
+                   r"No available memory for the cache blocks", re.I),
+        "the GPU does not have enough free memory for this recipe: set CF_GPU_MEMORY_UTILIZATION=0.6, or "
+        "CF_VLLM_EXTRA_ARGS=\"--enforce-eager\" to skip CUDA graph capture (both depart from the benchmark); "
+        "check with nvidia-smi that nothing else holds GPU memory",
+    ),
+    (
+        re.compile(r"Could not find nvcc|cuda_home='[^']*' doesn't exist", re.I),
+        "the engine needs a CUDA toolkit to compile its sampler: install one on the host, or set "
+        "VLLM_USE_FLASHINFER_SAMPLER=0",
+    ),
+    (
+        re.compile(r"LocalEntryNotFoundError|outgoing traffic has been disabled|Cannot find an appropriate "
+                   r"cached snapshot", re.I),
+        "the model's weights are not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading them: "
+        "set HUGGINGFACE_HUB_CACHE to the directory you prefetched into (the engine looks in its hub/ layout)",
+    ),
+    (
+        re.compile(r"Address already in use|address already in use", re.I),
+        "another process already listens on the API port: stop it or set CF_PORT (or --port) to a free port",
+    ),
+    (
+        re.compile(r"unrecognized arguments|error: argument", re.I),
+        "vLLM rejected a command-line flag: check CF_VLLM_EXTRA_ARGS and any flags after --",
+    ),
+    (
+        re.compile(r"gated repo|401 Client Error|Access to model .* is restricted", re.I),
+        "the model is gated on Hugging Face: pass HF_TOKEN with access to it",
+    ),
+)
+
+
+def hint_for(lines: Sequence[str]) -> str | None:
+    text = "\n".join(lines)
+    for pattern, hint in HINTS:
+        if pattern.search(text):
+            return hint
+    return None
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - loopback only
+            return bool(200 <= response.status < 300)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class ExitReport:
+    """How a supervised run ended."""
+
+    outcome: str  # "stopped" (by signal, clean), "killed" (needed SIGKILL), "early-exit", "died", "timeout"
+    engine_code: int | None
+    exit_code: int
+
+
+class EngineProcess:
+    """One vLLM engine. Nothing happens until :meth:`start`."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            log.write(f"\n===== carbonforge-runtime starting vLLM at {stamp} =====\n".encode())
+            log.write(("$ " + " ".join(self.argv) + "\n").encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks taken
+            )
+
+    def poll(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def signal_group(self, sig: int) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, drain_s: float) -> tuple[int | None, bool]:
+        """SIGTERM the group, wait up to the drain time plus a grace period, then SIGKILL.
+
+        Returns (engine exit code, whether SIGKILL was needed).
+        """
+        if self._proc is None:
+            return None, False
+        if self._proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+        code = self.wait(drain_s + SHUTDOWN_GRACE_S)
+        killed = code is None
+        if killed:
+            self.signal_group(signal.SIGKILL)
+            code = self.wait(10.0)
+        # Stragglers in the group (engine-core workers) go too, whatever the leader did.
+        self.signal_group(signal.SIGKILL)
+        return code, killed
+
+
+class StopFlag:
+    """Set from a signal handler; polled by the supervision loop."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+    @property
+    def set(self) -> bool:
+        return self.signal is not None
+
+
+def supervise(
+    engine: EngineProcess,
+    ready_url: str,
+    ready_timeout_s: float,
+    drain_timeout_s: float,
+    log: logging.Logger,
+    on_ready: Callable[[], None],
+    stop: StopFlag,
+) -> ExitReport:
+    """Start the engine, wait for readiness, serve until a signal or the engine's death."""
+    started = time.monotonic()
+    engine.start()
+    last_progress = started
+    ready = False
+    try:
+        while True:
+            code = engine.poll()  # has it exited? before: is it ready?
+            if code is not None:
+                engine.signal_group(signal.SIGKILL)
+                tail = log_tail(engine.log_path)
+                when = "before becoming ready" if not ready else "while serving"
+                log.error(f"vLLM exited ({describe_exit(code)}) {when}")
+                log.error(f"last lines of {engine.log_path}:")
+                for line in tail:
+                    log.error(f"  | {line}")
+                hint = hint_for(tail)
+                if hint:
+                    log.error(f"hint: {hint}")
+                return ExitReport("early-exit" if not ready else "died", code, code if code > 0 else 1)
+            if stop.set:
+                log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name}: stopping vLLM "
+                    f"(drain up to {drain_timeout_s:g} s)")
+                code, killed = engine.stop(drain_timeout_s)
+                if killed:
+                    log.error("vLLM did not stop within the drain time: killed")
+                    return ExitReport("killed", code, 1)
+                log.info(f"vLLM stopped ({describe_exit(code if code is not None else 0)})")
+                clean = code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+                return ExitReport("stopped", code, 0 if clean else 1)
+            now = time.monotonic()
+            if not ready:
+                if http_ok(ready_url):
+                    ready = True
+                    on_ready()
+                elif now - started > ready_timeout_s:
+                    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s (CF_READY_TIMEOUT_S): stopping it")
+                    engine.stop(0)
+                    return ExitReport("timeout", None, 1)
+                elif now - last_progress >= PROGRESS_INTERVAL_S:
+                    last_progress = now
+                    log.info(f"engine starting ({now - started:.0f} s elapsed; details in {engine.log_path})")
+            time.sleep(POLL_INTERVAL_S)
+    except BaseException:
+        engine.stop(0)
+        raise

@@ -1,0 +1,1 @@
+"""Offline licence verification and the premium gate."""

@@ -1,0 +1,224 @@
+"""The recipe: everything benchmarked for one context key, validated at load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from carbonforge_runtime.errors import RecipeError
+from carbonforge_runtime.recipes.keys import ContextKey, parse_context_key
+
+PLANS = ("free", "premium")
+
+#: vLLM knobs a recipe may set, with their type. Names are vLLM's flags in snake_case.
+VLLM_KNOBS: dict[str, type] = {
+    "max_num_seqs": int,
+    "max_model_len": int,
+    "max_num_batched_tokens": int,
+    "gpu_memory_utilization": float,
+    "tensor_parallel_size": int,
+    "pipeline_parallel_size": int,
+    "data_parallel_size": int,
+    "enable_prefix_caching": bool,
+    "enable_chunked_prefill": bool,
+    "enforce_eager": bool,
+    "dtype": str,
+    "kv_cache_dtype": str,
+    "quantization": str,
+    "block_size": int,
+    "seed": int,
+    "generation_config": str,
+    "trust_remote_code": bool,
+}
+
+#: Built-in models the runtime generates itself (no download); see carbonforge_runtime.tiny_model.
+BUILTIN_MODELS = ("tiny-chat",)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    repo: str
+    served_name: str
+    revision: str | None = None
+    builtin: str | None = None
+    verified: bool = True
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    family: str = "fcfs"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ControllerSpec:
+    policy: str = "none"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    key: ContextKey
+    plan: str
+    description: str
+    model: ModelSpec
+    vllm: Mapping[str, Any]
+    extra_args: tuple[str, ...]
+    drain_timeout_s: float
+    scheduler: SchedulerSpec
+    controller: ControllerSpec
+    benchmark: Mapping[str, Any]
+    env: Mapping[str, str]
+    source: Path
+
+    @property
+    def key_text(self) -> str:
+        return str(self.key)
+
+    @property
+    def is_premium(self) -> bool:
+        return self.plan == "premium"
+
+
+class _Fields:
+    """Reads fields out of one YAML mapping, naming file and field in every error."""
+
+    def __init__(self, path: Path, data: Mapping[str, Any], prefix: str = "") -> None:
+        self.path = path
+        self.data = data
+        self.prefix = prefix
+
+    def fail(self, name: str, problem: str) -> RecipeError:
+        return RecipeError(
+            f"{self.path}: field '{self.prefix}{name}' {problem}",
+            "fix the recipe file (see recipes/README.md for the schema)",
+        )
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = ..., nullable: bool = False) -> Any:
+        if name not in self.data:
+            if default is ...:
+                raise self.fail(name, "is missing")
+            return default
+        value = self.data[name]
+        if value is None and nullable:
+            return None
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # bool is an int in Python; do not let `true` pass as a number or 1 as a flag.
+        if isinstance(value, bool) and bool not in kinds:
+            raise self.fail(name, f"must be {'/'.join(k.__name__ for k in kinds)}, got a boolean")
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kinds):
+            raise self.fail(name, f"must be {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+        return value
+
+    def section(self, name: str, required: bool = True) -> _Fields:
+        value = self.get(name, dict, default=... if required else {})
+        return _Fields(self.path, value, f"{self.prefix}{name}.")
+
+    def reject_unknown(self, allowed: set[str]) -> None:
+        for name in self.data:
+            if name not in allowed:
+                raise self.fail(str(name), f"is not a known field (known: {', '.join(sorted(allowed))})")
+
+
+def recipe_from_mapping(data: Any, path: Path) -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping", "fix the recipe file")
+    top = _Fields(path, data)
+    top.reject_unknown(
+        {"key", "plan", "description", "model", "vllm", "drain_timeout_s", "scheduler", "controller",
+         "hardware", "benchmark", "env"}
+    )
+    key_text = top.get("key", str)
+    try:
+        key = parse_context_key(key_text)
+    except Exception as exc:  # ContextKeyError: restate it against the file
+        raise top.fail("key", f"is not a valid context key: {exc}") from None
+    plan = top.get("plan", str)
+    if plan not in PLANS:
+        raise top.fail("plan", f"must be one of {', '.join(PLANS)}, got {plan!r}")
+
+    model = _model(top.section("model"))
+    vllm_fields = top.section("vllm")
+    vllm_fields.reject_unknown(set(VLLM_KNOBS) | {"extra_args"})
+    knobs: dict[str, Any] = {}
+    for name, kind in VLLM_KNOBS.items():
+        value = vllm_fields.get(name, kind, default=None, nullable=True)
+        if value is not None:
+            knobs[name] = value
+    fraction = knobs.get("gpu_memory_utilization")
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise vllm_fields.fail("gpu_memory_utilization", f"must be in (0, 1], got {fraction}")
+    for name in ("max_num_seqs", "max_model_len", "tensor_parallel_size"):
+        if name in knobs and knobs[name] < 1:
+            raise vllm_fields.fail(name, f"must be at least 1, got {knobs[name]}")
+    extra = vllm_fields.get("extra_args", list, default=[])
+    if not all(isinstance(arg, str) for arg in extra):
+        raise vllm_fields.fail("extra_args", "must be a list of strings")
+
+    declared = top.section("hardware", required=False)
+    if declared.data:
+        declared.reject_unknown({"family", "memory_gb", "count"})
+        if declared.get("family", str, default=key.hardware.family) != key.hardware.family:
+            raise declared.fail("family", f"disagrees with the key's hardware segment {key.hardware}")
+        if declared.get("count", int, default=key.hardware.count) != key.hardware.count:
+            raise declared.fail("count", f"disagrees with the key's hardware segment {key.hardware}")
+    gpus = (knobs.get("tensor_parallel_size", 1) * knobs.get("pipeline_parallel_size", 1)
+            * knobs.get("data_parallel_size", 1))
+    if not key.hardware.is_cpu and gpus != key.hardware.count:
+        raise vllm_fields.fail(
+            "tensor_parallel_size",
+            f"x pipeline_parallel_size x data_parallel_size is {gpus}, "
+            f"but the key declares {key.hardware.count} GPU(s)",
+        )
+
+    drain = top.get("drain_timeout_s", (int, float), default=30.0)
+    if drain <= 0:
+        raise top.fail("drain_timeout_s", "must be positive")
+
+    sched = top.section("scheduler", required=False)
+    sched.reject_unknown({"family", "params"})
+    scheduler = SchedulerSpec(sched.get("family", str, default="fcfs"), sched.get("params", dict, default={}))
+
+    ctl = top.section("controller", required=False)
+    ctl.reject_unknown({"policy", "params"})
+    controller = ControllerSpec(ctl.get("policy", str, default="none"), ctl.get("params", dict, default={}))
+
+    env = top.get("env", dict, default={})
+    if not all(isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in env.items()):
+        raise top.fail("env", "must map variable names to strings")
+
+    return Recipe(
+        key=key,
+        plan=plan,
+        description=top.get("description", str, default=""),
+        model=model,
+        vllm=knobs,
+        extra_args=tuple(extra),
+        drain_timeout_s=float(drain),
+        scheduler=scheduler,
+        controller=controller,
+        benchmark=top.get("benchmark", dict, default={}),
+        env={k: str(v) for k, v in env.items()},
+        source=path,
+    )
+
+
+def _model(fields: _Fields) -> ModelSpec:
+    fields.reject_unknown({"repo", "served_name", "revision", "builtin", "verified", "note"})
+    repo = fields.get("repo", str)
+    builtin = fields.get("builtin", str, default=None, nullable=True)
+    if builtin is not None and builtin not in BUILTIN_MODELS:
+        raise fields.fail("builtin", f"must be one of {', '.join(BUILTIN_MODELS)}, got {builtin!r}")
+    return ModelSpec(
+        repo=repo,
+        served_name=fields.get("served_name", str, default=repo),
+        revision=fields.get("revision", str, default=None, nullable=True),
+        builtin=builtin,
+        verified=fields.get("verified", bool, default=True),
+        note=fields.get("note", str, default=""),
+    )

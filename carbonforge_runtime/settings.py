@@ -1,0 +1,165 @@
+"""Every environment variable the runtime reads, declared once with its meaning and parser.
+
+Nothing else in the package reads ``os.environ`` for these names: callers receive a
+:class:`Settings` built by :func:`load_settings` from a mapping (tests pass their own).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from carbonforge_runtime.errors import OverrideError
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise OverrideError(
+            f"{name}={raw!r} is not a whole number",
+            f"set {name} to a positive integer number of tokens (e.g. {name}=8192) or unset it",
+        ) from None
+    if value <= 0:
+        raise OverrideError(f"{name}={raw!r} must be positive", f"set {name} to a positive integer or unset it")
+    return value
+
+
+def _fraction(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise OverrideError(
+            f"{name}={raw!r} is not a number",
+            f"set {name} to a fraction of GPU memory between 0 and 1 (e.g. {name}=0.6) or unset it",
+        ) from None
+    if not 0.0 < value <= 1.0:
+        raise OverrideError(
+            f"{name}={raw!r} is outside (0, 1]",
+            f"set {name} to a fraction of GPU memory between 0 and 1 (e.g. {name}=0.6) or unset it",
+        )
+    return value
+
+
+def _shell_words(name: str, raw: str) -> list[str]:
+    try:
+        return shlex.split(raw)
+    except ValueError as exc:
+        raise OverrideError(
+            f"{name} cannot be split into arguments: {exc}",
+            f"check the quoting in {name} (it is split like a shell command line)",
+        ) from None
+
+
+def _flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise OverrideError(f"{name}={raw!r} is not a boolean", f"set {name} to 1 or 0")
+
+
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+def _port(name: str, raw: str) -> int:
+    value = _positive_int(name, raw)
+    if value > 65535:
+        raise OverrideError(f"{name}={raw!r} is not a TCP port", f"set {name} to a port between 1 and 65535")
+    return value
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise OverrideError(f"{name}={raw!r} is not a positive number of seconds", f"set {name} to e.g. 600")
+    return value
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    doc: str
+    parse: Callable[[str, str], Any]
+    default: Any = None
+    #: True for the CF_* knobs that change the benchmarked configuration.
+    departs_from_benchmark: bool = False
+
+
+VARIABLES: tuple[Var, ...] = (
+    Var("CF_CONTEXT_KEY", "Recipe to serve, as <model>:<quant>:<workload>:<hardware>; unset runs the doctor",
+        _text),
+    Var("CARBONFORGE_LICENSE_KEY", "Licence key text; takes precedence over the licence file", _text),
+    Var("CF_LICENSE_FILE", "Path of the licence file", _text, "/etc/carbonforge/license.key"),
+    Var("CF_DRY_RUN", "Observe-only: the energy controller logs what it would do and changes nothing",
+        _flag, False),
+    Var("CF_MAX_MODEL_LEN", "Override the recipe's context length (--max-model-len)", _positive_int,
+        departs_from_benchmark=True),
+    Var("CF_GPU_MEMORY_UTILIZATION", "Override the recipe's GPU memory fraction (--gpu-memory-utilization)",
+        _fraction, departs_from_benchmark=True),
+    Var("CF_VLLM_EXTRA_ARGS", "Extra vLLM flags appended to the recipe's, split like a shell line",
+        _shell_words, departs_from_benchmark=True),
+    Var("CF_RECIPES_DIR", "An extra directory of recipe YAML files (they win over shipped ones on the same key)",
+        _text),
+    Var("CF_LOG_DIR", "Where vllm.log and default trace files go", _text, "/var/log/carbonforge"),
+    Var("CF_PORT", "Port of the OpenAI-compatible API", _port, 8000),
+    Var("CF_HOST", "Address the API binds to", _text, "0.0.0.0"),
+    Var("CF_READY_TIMEOUT_S", "Deadline for the engine to become ready (weights download included)",
+        _seconds, 3600.0),
+    Var("CF_TINY_MODEL_DIR", "Where the built-in tiny CPU model is generated", _text,
+        str(Path.home() / ".cache" / "carbonforge" / "tiny-chat")),
+    Var("HF_TOKEN", "Hugging Face token for gated models (passed to the engine untouched)", _text),
+    Var("HF_HUB_OFFLINE", "1 = never contact the Hugging Face hub (passed to the engine untouched)", _flag,
+        False),
+    Var("HUGGINGFACE_HUB_CACHE", "Directory of the Hugging Face hub cache (passed to the engine untouched)",
+        _text),
+)
+
+_BY_NAME = {var.name: var for var in VARIABLES}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Parsed values of :data:`VARIABLES`; ``raw`` keeps the text for provenance messages."""
+
+    values: Mapping[str, Any]
+    raw: Mapping[str, str] = field(default_factory=dict)
+
+    def get(self, name: str) -> Any:
+        return self.values.get(name, _BY_NAME[name].default)
+
+    def is_set(self, name: str) -> bool:
+        return name in self.values
+
+
+def load_settings(environ: Mapping[str, str]) -> Settings:
+    """Parse every declared variable present (and non-empty) in ``environ``.
+
+    Invalid values raise :class:`OverrideError` before anything starts.
+    """
+    values: dict[str, Any] = {}
+    raw: dict[str, str] = {}
+    for var in VARIABLES:
+        text = environ.get(var.name)
+        if text is None or text.strip() == "":
+            continue
+        values[var.name] = var.parse(var.name, text)
+        raw[var.name] = text
+    return Settings(values=values, raw=raw)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, default, doc) for the README and `--help` epilogue."""
+    rows = []
+    for var in VARIABLES:
+        default = "" if var.default is None else str(var.default)
+        rows.append((var.name, default, var.doc))
+    return rows
