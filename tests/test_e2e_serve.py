@@ -1,0 +1,112 @@
+"""End to end: the runtime launches the real vLLM CPU engine; the real openai client talks to it."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support import TEST_RECIPES, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
+
+pytestmark = pytest.mark.engine
+
+
+def chat_both_ways(base_url: str, model: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
+    messages = [{"role": "user", "content": "What is the capital city of France?"}]
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                              extra_body={"ignore_eos": True})
+    assert response.model == model
+    assert response.id.startswith("chatcmpl-")
+    assert response.usage is not None and response.usage.completion_tokens == 12
+    assert response.choices[0].message.content
+
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=9, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert pieces, "no streamed content"
+    assert usage is not None and usage.completion_tokens == 9 and usage.prompt_tokens > 0
+
+
+def stop_cleanly(runtime: RuntimeProcess, drain_s: float) -> None:
+    children = set(runtime.known_children)
+    assert children, "the engine's processes were not seen"
+    started = time.monotonic()
+    code = runtime.stop(signal.SIGTERM, timeout_s=drain_s + 30)
+    elapsed = time.monotonic() - started
+    assert code == 0, runtime.output()
+    assert elapsed < drain_s + 15, f"stopping took {elapsed:.1f} s"
+    assert runtime.leftover_children() == set(), "engine processes survived the runtime"
+    assert "vLLM stopped" in runtime.output()
+
+
+def test_serves_cf_context_key_and_stops_on_sigterm(tmp_path: Path) -> None:
+    runtime = RuntimeProcess([], tmp_path, env={"CF_CONTEXT_KEY": TINY_KEY}).start()
+    try:
+        runtime.wait_ready()
+        out = runtime.output()
+        assert f"ready: OpenAI API on http://127.0.0.1:{runtime.port}/v1 serving model '{TINY_SERVED_NAME}'" in out
+        assert "Traceback" not in out
+        # The runtime's own log stays short; the engine's goes to vllm.log.
+        assert len(out.splitlines()) < 30
+        assert "vllm.entrypoints.openai.api_server" in runtime.engine_log()
+        chat_both_ways(runtime.base_url, TINY_SERVED_NAME)
+        stop_cleanly(runtime, drain_s=15)
+    finally:
+        runtime.kill()
+
+
+def test_override_mode_serves_the_given_model(tmp_path: Path, tiny_model: str) -> None:
+    args = ["--", tiny_model, "--served-model-name", "tiny-override", "--dtype", "bfloat16",
+            "--max-model-len", "1024", "--shutdown-timeout", "5"]
+    runtime = RuntimeProcess(args, tmp_path, env={"CF_CONTEXT_KEY": TINY_KEY}).start()
+    try:
+        runtime.wait_ready()
+        assert "CF_CONTEXT_KEY is ignored" in runtime.output()
+        chat_both_ways(runtime.base_url, "tiny-override")
+        stop_cleanly(runtime, drain_s=5)
+    finally:
+        runtime.kill()
+
+
+def test_context_key_flag_with_extra_vllm_flags(tmp_path: Path) -> None:
+    args = ["--context-key", TINY_KEY, "--", "--max-num-seqs", "3", "--served-model-name", "tiny-extra"]
+    runtime = RuntimeProcess(args, tmp_path).start()
+    try:
+        runtime.wait_ready()
+        out = runtime.output()
+        assert "extra vLLM flags depart from the benchmark: adds --max-num-seqs 3" in out
+        log = runtime.engine_log()
+        assert "'max_num_seqs': 3" in log  # vLLM's own "non-default args" line
+        chat_both_ways(runtime.base_url, "tiny-extra")
+        stop_cleanly(runtime, drain_s=15)
+    finally:
+        runtime.kill()
+
+
+def test_engine_that_cannot_start_is_reported_quickly(tmp_path: Path) -> None:
+    runtime = RuntimeProcess(["--context-key", "cf-tiny-broken:bf16:chat:cpu"], tmp_path,
+                             env={"CF_RECIPES_DIR": str(TEST_RECIPES)})
+    started = time.monotonic()
+    runtime.start()
+    try:
+        code = runtime.wait(120)
+        elapsed = time.monotonic() - started
+        out = runtime.output()
+        assert code != 0
+        assert "vLLM exited (code 2) before becoming ready" in out
+        assert "| " in out and "no-such-engine-flag" in out  # the log tail
+        assert "hint: vLLM rejected a command-line flag" in out
+        assert "Traceback" not in out
+        assert elapsed < 60, f"took {elapsed:.1f} s"
+    finally:
+        runtime.kill()
