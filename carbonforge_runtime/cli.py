@@ -17,7 +17,10 @@ from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.errors import CarbonForgeError
 from carbonforge_runtime.gpu import GpuBackend, default_backend
+from carbonforge_runtime.replay.cli import replay_command
+from carbonforge_runtime.scheduler.ltr_cli import ltr_app
 from carbonforge_runtime.settings import Settings, load_settings
+from carbonforge_runtime.traces.cli import trace_app
 
 app = typer.Typer(
     name="carbonforge-runtime",
@@ -29,11 +32,17 @@ app = typer.Typer(
 )
 recipes_app = typer.Typer(help="List and inspect the recipes this runtime knows.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
+app.add_typer(ltr_app, name="ltr")
+app.command("replay")(replay_command)
+app.add_typer(trace_app, name="trace")
+from carbonforge_runtime.licensing.cli import license_app  # noqa: E402
+
+app.add_typer(license_app, name="license")
 
 #: Runtime flags: an argument list starting with one of these is a runtime command line.
 RUNTIME_FLAGS = (
     "--context-key", "--strict-hardware", "--request-trace", "--trace-file", "--trace-endpoint",
-    "--trace-format", "--metrics", "--dry-run",
+    "--trace-format", "--metrics", "--dry-run", "--skip-preflight",
 )
 
 T = TypeVar("T")
@@ -78,7 +87,8 @@ def _root(
 )
 def serve(
     ctx: typer.Context,
-    context_key: str | None = typer.Option(None, "--context-key", help="Recipe to serve: model:quant:workload:hardware."),
+    context_key: str | None = typer.Option(None, "--context-key",
+                                           help="Recipe to serve: model:quant:workload:hardware."),
     strict_hardware: bool = typer.Option(False, "--strict-hardware",
                                          help="Refuse to start when the GPUs do not match the key's hardware."),
     request_trace: str = typer.Option("off", "--request-trace", help="Trace level: off, standard or full."),
@@ -88,9 +98,12 @@ def serve(
     metrics: bool = typer.Option(False, "--metrics", help="Serve Prometheus metrics on :9105."),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="Print the effective configuration and the vLLM command; start nothing."),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight",
+                                        help="Do not run the pre-flight checks (a failing one stops the launch)."),
 ) -> None:
     """Serve a recipe (--context-key) or a vLLM command line given after --."""
-    from carbonforge_runtime.serve import ServeOptions, serve as do_serve
+    from carbonforge_runtime.serve import ServeOptions
+    from carbonforge_runtime.serve import serve as do_serve
 
     options = ServeOptions(
         context_key=context_key,
@@ -101,6 +114,7 @@ def serve(
         trace_format=trace_format,
         metrics=metrics,
         dry_run=dry_run,
+        skip_preflight=skip_preflight,
         vllm_args=list(ctx.args),
     )
     code = _guard(lambda: do_serve(options, _settings(), os.environ, gpu_backend()))
@@ -112,13 +126,17 @@ def doctor(
     context_key: str | None = typer.Option(None, "--context-key", help="Also check this recipe against the host."),
     json_output: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
     metrics: bool = typer.Option(False, "--metrics", help="Also check that the metrics port is free."),
+    trace_file: str | None = typer.Option(None, "--trace-file", help="Also check that this trace file can be written."),
 ) -> None:
-    """Diagnose the host: GPUs, recipe fit, licence, tracing, storage, engine. Exit 1 on FAIL."""
-    from carbonforge_runtime.doctor import run_doctor
+    """Diagnose the host: GPUs, recipe fit, licence, tracing, storage, engine. Exit 1 on FAIL.
+
+    Checks the recipe of --context-key, else of CF_CONTEXT_KEY when set.
+    """
+    from carbonforge_runtime.doctor import DoctorRequest, run_doctor
 
     def run() -> int:
-        _settings()
-        text, code = run_doctor(gpu_backend())
+        request = DoctorRequest(context_key=context_key, metrics=metrics, trace_file=trace_file)
+        text, code = run_doctor(request, os.environ, gpu_backend(), json_output=json_output)
         typer.echo(text)
         return code
 
@@ -175,10 +193,12 @@ def _dispatch(args: list[str], environ: dict[str, str] | os._Environ[str]) -> li
         return ["serve", "--context-key", key] if key else ["doctor"]
     if environ.get("CF_CONTEXT_KEY", "").strip():
         first = args[0]
-        if first not in ("doctor", "recipes", "--help", "-h", "--version", "-V"):
+        if first not in ("doctor", "recipes", "license", "--help", "-h", "--version", "-V"):
             logger.info("CF_CONTEXT_KEY is ignored because a command was given; pass --context-key to serve a recipe")
     first = args[0]
-    names = {cmd.name for cmd in app.registered_commands} | {grp.name for grp in app.registered_groups}
+    # A command registered without an explicit name is named after its function (as typer does it).
+    names = {cmd.name or (cmd.callback.__name__.lower().replace("_", "-") if cmd.callback else None)
+             for cmd in app.registered_commands} | {grp.name for grp in app.registered_groups}
     if first in names or first in ("--help", "-h", "--version", "-V"):
         return args
     if first == "--" or any(first == flag or first.startswith(flag + "=") for flag in RUNTIME_FLAGS):

@@ -107,10 +107,10 @@ def ensure_tiny_model(directory: Path) -> Path:
         bos_token_id=pad_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(config)
+    model.to(dtype=torch.bfloat16)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(staging)

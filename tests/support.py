@@ -123,11 +123,12 @@ class RuntimeProcess:
                 raise AssertionError(f"runtime exited ({self.proc.returncode}) before ready:\n{self.output()}\n"
                                      f"--- vllm.log tail ---\n{self.engine_log()[-4000:]}")
             if "ready: OpenAI API" in self.output():
-                with contextlib.suppress(OSError):
-                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            self.known_children = descendants(self.proc.pid)
-                            return self
+                with contextlib.suppress(OSError), urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.port}/health", timeout=2
+                ) as resp:
+                    if resp.status == 200:
+                        self.known_children = descendants(self.proc.pid)
+                        return self
             time.sleep(0.5)
         self.kill()
         raise AssertionError(f"runtime not ready within {timeout_s} s:\n{self.output()}\n"

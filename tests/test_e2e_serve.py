@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support import TEST_RECIPES, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
+from tests.support import REPO, TEST_RECIPES, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
 
 pytestmark = pytest.mark.engine
 
@@ -60,9 +63,17 @@ def test_serves_cf_context_key_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert len(out.splitlines()) < 30
         assert "vllm.entrypoints.openai.api_server" in runtime.engine_log()
         chat_both_ways(runtime.base_url, TINY_SERVED_NAME)
+        assert container_healthcheck(runtime.port) == 0
         stop_cleanly(runtime, drain_s=15)
+        assert container_healthcheck(runtime.port) == 1
     finally:
         runtime.kill()
+
+
+def container_healthcheck(port: int) -> int:
+    """The image's HEALTHCHECK command, run outside the image."""
+    env = {**os.environ, "CF_PORT": str(port)}
+    return subprocess.run([sys.executable, str(REPO / "docker" / "healthcheck.py")], env=env, timeout=30).returncode
 
 
 def test_override_mode_serves_the_given_model(tmp_path: Path, tiny_model: str) -> None:

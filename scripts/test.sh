@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command: install everything (vLLM CPU build included), lint, type-check, test.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/setup.sh
+echo "== ruff"
+.venv/bin/ruff check carbonforge_runtime tests scripts docker
+echo "== mypy"
+.venv/bin/mypy
+echo "== hadolint"
+.venv/bin/hadolint Dockerfile
+echo "== pytest"
+.venv/bin/python -m pytest -p no:cacheprovider -q "$@"
