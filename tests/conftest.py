@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-
 import pytest
 
 from tests.support import tiny_model_dir

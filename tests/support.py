@@ -161,5 +161,17 @@ class RuntimeProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
 
+    def engine_pid(self) -> int:
+        """The runtime's direct child: vLLM's API server process."""
+        assert self.proc is not None
+        for pid in descendants(self.proc.pid):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                return pid
+        raise AssertionError("the runtime has no child process")
+
     def leftover_children(self) -> set[int]:
         return {pid for pid in self.known_children if alive(pid)}

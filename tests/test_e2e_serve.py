@@ -89,7 +89,7 @@ def test_override_mode_serves_the_given_model(tmp_path: Path, tiny_model: str) -
         runtime.kill()
 
 
-def test_context_key_flag_with_extra_vllm_flags(tmp_path: Path) -> None:
+def test_context_key_flag_with_extra_vllm_flags_and_engine_death(tmp_path: Path) -> None:
     args = ["--context-key", TINY_KEY, "--", "--max-num-seqs", "3", "--served-model-name", "tiny-extra"]
     runtime = RuntimeProcess(args, tmp_path).start()
     try:
@@ -99,7 +99,17 @@ def test_context_key_flag_with_extra_vllm_flags(tmp_path: Path) -> None:
         log = runtime.engine_log()
         assert "'max_num_seqs': 3" in log  # vLLM's own "non-default args" line
         chat_both_ways(runtime.base_url, "tiny-extra")
-        stop_cleanly(runtime, drain_s=15)
+        # The engine dying while serving ends the runtime with the same summary and a non-zero code.
+        os.kill(runtime.engine_pid(), signal.SIGKILL)
+        code = runtime.wait(60)
+        out = runtime.output()
+        assert code != 0
+        assert "vLLM exited (code 137, killed by SIGKILL) while serving" in out
+        assert "last lines of" in out
+        deadline = time.monotonic() + 20
+        while runtime.leftover_children() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert runtime.leftover_children() == set()
     finally:
         runtime.kill()
 
