@@ -36,6 +36,8 @@ class GpuDevice:
     memory_free_mib: int
     compute_capability: tuple[int, int] | None
     processes: tuple[GpuProcess, ...] = ()
+    #: False when NVML refused to list the processes using this GPU (``processes`` is then empty).
+    processes_visible: bool = True
 
     @property
     def family(self) -> str:
@@ -53,6 +55,8 @@ class GpuSnapshot:
     driver_version: str = ""
     cuda_driver_version: str = ""
     devices: tuple[GpuDevice, ...] = field(default_factory=tuple)
+    #: Why NVML is unavailable, as a :class:`GpuError` kind (or ``no-package``); empty when available.
+    failure: str = ""
 
     @property
     def count(self) -> int:
