@@ -10,5 +10,10 @@ echo "== mypy"
 .venv/bin/mypy
 echo "== hadolint"
 .venv/bin/hadolint Dockerfile
+if ! command -v promtool >/dev/null 2>&1; then
+    # The metrics tests scrape the runtime with a real Prometheus and lint the page with promtool.
+    echo "== installing Debian's prometheus (promtool)"
+    apt-get update -qq && apt-get install -y -qq prometheus >/dev/null
+fi
 echo "== pytest"
 .venv/bin/python -m pytest -p no:cacheprovider -q "$@"

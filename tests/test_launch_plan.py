@@ -108,7 +108,8 @@ def test_override_plan_adds_served_name_and_port() -> None:
     settings = load_settings({"CF_PORT": "8123", "CF_MAX_MODEL_LEN": "100"})
     plan = build_override_plan(["/models/x", "--max-model-len", "512"], settings, "/models/x")
     assert plan.argv[3:] == ["--model", "/models/x", "--max-model-len", "512", "--served-model-name", "/models/x",
-                             "--port", "8123", "--host", "0.0.0.0", "--shutdown-timeout", "30"]
+                             "--port", "8123", "--host", "0.0.0.0", "--shutdown-timeout", "30",
+                             "--scheduler-cls", "carbonforge_runtime.scheduler.shim.make_scheduler"]
     assert plan.port == 8123
     assert any("CF_MAX_MODEL_LEN is ignored" in note for note in plan.notes)
     given = build_override_plan(["--model", "m", "--served-model-name", "svc", "--port", "9001"], settings, "m")

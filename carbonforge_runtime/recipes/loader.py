@@ -41,8 +41,11 @@ def load_recipes(directories: Iterable[Path]) -> dict[str, Recipe]:
         if not directory.is_dir():
             raise RecipeError(f"recipes directory {directory} does not exist", "point CF_RECIPES_DIR at a directory")
         seen: dict[str, Path] = {}
+        shipped = directory.resolve() == shipped_recipes_dir().resolve()
         for path in sorted(directory.glob("*.y*ml")):
             recipe = load_recipe_file(path)
+            if shipped:
+                _refuse_benchmark_only_family(recipe, path)
             key = recipe.key_text
             if key in seen:
                 raise RecipeError(
@@ -51,6 +54,18 @@ def load_recipes(directories: Iterable[Path]) -> dict[str, Recipe]:
             seen[key] = path
             recipes[key] = recipe
     return recipes
+
+
+def _refuse_benchmark_only_family(recipe: Recipe, path: Path) -> None:
+    """A shipped recipe must not name a benchmark-only scheduler family (``oracle``)."""
+    from carbonforge_runtime.scheduler.families import BENCHMARK_ONLY
+
+    if recipe.scheduler.family in BENCHMARK_ONLY:
+        raise RecipeError(
+            f"{path}: field 'scheduler.family' is {recipe.scheduler.family!r}, a benchmark-only family "
+            "that needs each request's true output length",
+            "pick a shipped family (fcfs, ltr-promptlen, affinity, ltr or hybrid); see docs/scheduling.md",
+        )
 
 
 def recipe_dirs(extra_dir: str | None) -> list[Path]:
