@@ -350,8 +350,9 @@ def test_override_mode_http_export_and_sigterm_under_load(tmp_path: Path, tiny_m
                 time.sleep(0.02)
             in_flight = 32 - sum(f.done() for f in futures.values())
             assert in_flight > 0, "the load finished before the signal"
-            # (the exit code is the supervisor's business; here: a record for every complete response)
             code = runtime.stop(signal.SIGTERM, timeout_s=120)
+            # vLLM drains in-flight requests within --shutdown-timeout, then the runtime exits cleanly.
+            assert code == 0, runtime.output()
             complete: list[Answer] = []
             for i, future in futures.items():
                 try:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 #: After SIGTERM the engine gets its drain time plus this much to exit before SIGKILL.
 SHUTDOWN_GRACE_S = 15.0
+#: After the API server has exited, its engine processes get this long to finish exiting.
+STRAGGLER_GRACE_S = 5.0
 POLL_INTERVAL_S = 0.5
 PROGRESS_INTERVAL_S = 10.0
 
@@ -160,21 +162,39 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, drain_s: float) -> tuple[int | None, bool]:
-        """SIGTERM the group, wait up to the drain time plus a grace period, then SIGKILL.
+    def group_alive(self) -> bool:
+        if self._proc is None:
+            return False
+        try:
+            os.killpg(self._proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
-        Returns (engine exit code, whether SIGKILL was needed).
+    def stop(self, drain_s: float) -> tuple[int | None, bool]:
+        """SIGTERM the engine's API server, wait up to the drain time plus a grace period, then
+        SIGKILL the whole group.
+
+        Only the leader is signalled: it drains in-flight requests and then shuts its own engine
+        processes down in order. Signalling the whole group would kill the engine core and its
+        workers mid-drain. Returns (engine exit code, whether SIGKILL was needed).
         """
         if self._proc is None:
             return None, False
         if self._proc.poll() is None:
-            self.signal_group(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGTERM)
         code = self.wait(drain_s + SHUTDOWN_GRACE_S)
         killed = code is None
         if killed:
             self.signal_group(signal.SIGKILL)
             code = self.wait(10.0)
-        # Stragglers in the group (engine-core workers) go too, whatever the leader did.
+        # Give the leader's children a moment to finish their own exit, then remove stragglers.
+        deadline = time.monotonic() + STRAGGLER_GRACE_S
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.signal_group(signal.SIGKILL)
         return code, killed
 
