@@ -1,24 +1,31 @@
 #!/usr/bin/env python
 """Ordering benchmark: every scheduling family on the real CPU engine, side by side with FCFS.
 
-For each family in turn the tiny CPU recipe is served (one engine session per family, a bench
-recipe with a small ``max_num_seqs`` so that a queue forms) and the same traces are replayed at
-the same loads:
+The tiny CPU recipe is served with a small ``max_num_seqs`` (4) and a small KV cache, so that a
+queue forms and prefixes get evicted, and the same traces are replayed at the same loads:
 
 * ``conv``      -- windows of the Azure conversation trace (token counts scaled down);
 * ``prefill``   -- the same arrivals with long prompts and short outputs (code-like traffic);
 * ``templated`` -- a generated workload of six applications, each with its own system prompt
   (shared prefix) and output-length distribution.
 
-The load where FCFS saturates is measured first (all requests at once, in the FCFS session);
-the runs then replay each trace at about 60% and 90% of it. Every metric comes from the
-runtime's own trace of the replay (server-side arrival to completion), and is printed as a
-ratio to FCFS on the same trace, seed and load (the mean over seeds, with the spread). The
-prefix-cache hit rate is printed as the difference in points.
+The load where FCFS saturates is measured first (a ladder of replay speeds); the runs then
+replay each trace at about 60% and 90% of it. Every metric comes from the runtime's own trace
+of the replay (server-side arrival to completion) and is printed as a ratio to FCFS on the same
+trace, seed and load (the mean over seeds, with the spread); the prefix-cache hit rate as the
+difference in points.
+
+Two modes. ``--mode sessions`` serves the recipe once per family, in turn. On a shared machine
+the engine's speed drifts by tens of percent between sessions minutes apart, which swamps the
+differences being measured; so the default ``--mode switch`` serves one engine whose recipe
+names a benchmark-only family (``scripts/bench_switch/sitecustomize.py``) that delegates to the
+family named in a control file, and the families take turns run by run.
 
     .venv/bin/python scripts/bench_ordering.py --out /work/bench-out/ordering
 
-Takes about 40 minutes with the defaults on 2 cores. ``--quick`` runs one seed of two families.
+About 40 minutes with the defaults on 2 cores. ``--quick`` runs one seed of fcfs and oracle;
+``--ltr-check-only`` fits the ranker on the runtime's own full-level trace of the templated
+replays and reports its Kendall tau on a held-out seed.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -45,6 +53,8 @@ from tests.support import TINY_SERVED_NAME, RuntimeProcess, tiny_model_dir  # no
 
 AZURE = Path("/work/shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv")
 FAMILY_ORDER = ("fcfs", "ltr-promptlen", "affinity", "ltr", "hybrid", "oracle")
+SWITCH = "bench-switch"
+SWITCH_DIR = REPO / "scripts" / "bench_switch"
 WORKLOADS = ("conv", "prefill", "templated")
 LOADS = (0.6, 0.9)
 
@@ -52,10 +62,11 @@ LOADS = (0.6, 0.9)
 #: learned families must not read max_tokens (use_max_tokens: false) or they would see the answer.
 PARAMS: dict[str, dict[str, Any]] = {
     "fcfs": {},
-    "ltr-promptlen": {"aging_rate": 400.0},
+    "ltr-promptlen": {"aging_rate": 400.0, "cache_lookup_limit": 128},
     "affinity": {"aging_rate": 200.0},
     "ltr": {"aging_rate": 20.0, "use_max_tokens": False},
-    "hybrid": {"aging_rate": 20.0, "use_max_tokens": False, "prompt_weight": 0.02, "cache_weight": 0.02},
+    "hybrid": {"aging_rate": 20.0, "use_max_tokens": False, "prompt_weight": 0.02, "cache_weight": 0.02,
+               "cache_lookup_limit": 128},
     "oracle": {"aging_rate": 20.0},
 }
 #: Token scaling per workload, so prompt + output fit the tiny model's 2048-token context.
@@ -66,7 +77,8 @@ PLAN: dict[str, dict[str, Any]] = {
 }
 
 
-def bench_recipe(family: str, max_num_seqs: int, kv_blocks: int, block_size: int) -> str:
+def bench_recipe(family: str, max_num_seqs: int, kv_blocks: int, block_size: int,
+                 params: dict[str, Any] | None = None) -> str:
     return f"""key: cf-tiny-bench-{family}:bf16:chat:cpu
 plan: free
 description: ordering benchmark ({family}); few running sequences and a small KV cache so that order matters
@@ -81,7 +93,7 @@ vllm:
   extra_args: ["--num-gpu-blocks-override", "{kv_blocks}"]
 drain_timeout_s: 5
 env: {{VLLM_CPU_KVCACHE_SPACE: "1", HF_HUB_OFFLINE: "1", VLLM_SERVER_DEV_MODE: "1"}}
-scheduler: {{family: {family}, params: {json.dumps(PARAMS[family])}}}
+scheduler: {{family: {family}, params: {json.dumps(PARAMS[family] if params is None else params)}}}
 """
 
 
@@ -126,13 +138,24 @@ class Session:
         self.dir.mkdir(parents=True, exist_ok=True)
         recipes = self.dir / "recipes"
         recipes.mkdir(exist_ok=True)
-        (recipes / "bench.yaml").write_text(bench_recipe(family, args.max_num_seqs, args.kv_blocks, args.block_size))
+        env = {"CF_RECIPES_DIR": str(recipes)}
+        params = None
+        self.control = self.dir / "active-family.json"
+        if family == SWITCH:
+            # One engine for every family: the bench-only family in scripts/bench_switch delegates to
+            # the family named in the control file.
+            params = {"control": str(self.control), "families": {f: PARAMS[f] for f in FAMILY_ORDER}}
+            self.control.write_text(json.dumps({"family": "fcfs"}))
+            env["CF_BENCH_SWITCH"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SWITCH_DIR), os.environ.get("PYTHONPATH", "")) if p)
+        (recipes / "bench.yaml").write_text(bench_recipe(family, args.max_num_seqs, args.kv_blocks, args.block_size,
+                                                         params))
         self.trace = self.dir / "trace.jsonl"
         self.trace.unlink(missing_ok=True)
         self.runtime = RuntimeProcess(
             ["--context-key", f"cf-tiny-bench-{family}:bf16:chat:cpu", "--request-trace", level,
              "--trace-file", str(self.trace)],
-            self.dir / "logs", env={"CF_RECIPES_DIR": str(recipes)},
+            self.dir / "logs", env=env,
         )
         self._offset = 0
         self._records: dict[str, dict[str, Any]] = {}
@@ -146,6 +169,11 @@ class Session:
             self.runtime.stop(timeout_s=60)
         finally:
             self.runtime.kill()
+
+    def activate(self, family: str) -> None:
+        """Switch the bench-switch family (takes effect within 0.1 s, before the next run starts)."""
+        self.control.write_text(json.dumps({"family": family}))
+        time.sleep(0.5)
 
     def reset_prefix_cache(self) -> None:
         url = self.runtime.base_url.removesuffix("/v1") + "/reset_prefix_cache"
@@ -355,6 +383,9 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, default=96, help="KV cache size in blocks (prefix-cache pressure)")
     parser.add_argument("--quick", action="store_true", help="one seed, fcfs and oracle only")
+    parser.add_argument("--mode", choices=("switch", "sessions"), default="switch",
+                        help="switch: one engine, families take turns run by run (default); "
+                        "sessions: one engine session per family")
     parser.add_argument("--ltr-check-only", action="store_true",
                         help="only fit the ranker on the runtime's own full trace of the templated replays")
     args = parser.parse_args()
@@ -392,32 +423,60 @@ def main() -> int:
 
     capacity: dict[str, float] = results.get("saturation_req_per_s", {})
     started = time.monotonic()
-    for family in families:
-        print(f"\n== {family} ({time.monotonic() - started:.0f} s)", flush=True)
-        with Session(family, out, args) as session:
-            for workload in workloads:  # warm-up (first shapes compile, caches fill); not measured
-                session.replay(files[workload, 0], workload, rate=1e6, seed=99, limit=60)
-            if family == "fcfs":
-                for workload in workloads:
-                    if workload not in capacity:
-                        # Saturation in requests per second (the seed-0 window's recorded rate x factor).
-                        factor = saturation(session, files[workload, 0], workload)
-                        capacity[workload] = factor * recorded_rate(files[workload, 0])
-                results["saturation_req_per_s"] = capacity
-                results_path.write_text(json.dumps(results, indent=1))
+
+    def measure(session: Session, family: str, workload: str, load: float, seed: int) -> None:
+        key = f"{family}/{workload}/{load}/{seed}"
+        if key in results:
+            return
+        path = files[workload, seed]
+        records, summary = session.replay(path, workload, load * capacity[workload] / recorded_rate(path), seed)
+        results[key] = metrics(records)
+        results[key]["failed"] = summary["failed"]
+        m = results[key]
+        print(f"  {key}: n={m['n']:.0f} mean {m['mean']:.3f} p99 {m['p99']:.3f} "
+              f"wait {m['wait']:.3f} hit {m['hit']:.1f}% ({time.monotonic() - started:.0f} s)", flush=True)
+        results_path.write_text(json.dumps(results, indent=1))
+
+    def warm_up_and_saturate(session: Session) -> None:
+        for workload in workloads:  # warm-up (first shapes compile, caches fill); not measured
+            session.replay(files[workload, 0], workload, rate=1e6, seed=99, limit=60)
+        for workload in workloads:
+            if workload not in capacity:
+                # Saturation in requests per second (the seed-0 window's recorded rate x factor).
+                factor = saturation(session, files[workload, 0], workload)
+                capacity[workload] = factor * recorded_rate(files[workload, 0])
+        results["saturation_req_per_s"] = capacity
+        results_path.write_text(json.dumps(results, indent=1))
+
+    if args.mode == "switch":
+        # One engine; the families take turns run by run (the order rotates), so each comparison
+        # with FCFS is between runs minutes apart on the same engine.
+        with Session(SWITCH, out, args) as session:
+            session.activate("fcfs")
+            warm_up_and_saturate(session)
+            turn = 0
             for seed in seeds:
                 for workload in workloads:
                     for load in LOADS:
-                        key = f"{family}/{workload}/{load}/{seed}"
-                        path = files[workload, seed]
-                        rate = load * capacity[workload] / recorded_rate(path)
-                        records, summary = session.replay(path, workload, rate, seed)
-                        results[key] = metrics(records)
-                        results[key]["failed"] = summary["failed"]
-                        m = results[key]
-                        print(f"  {key}: n={m['n']:.0f} mean {m['mean']:.3f} p99 {m['p99']:.3f} "
-                              f"wait {m['wait']:.3f} hit {m['hit']:.1f}%", flush=True)
-                        results_path.write_text(json.dumps(results, indent=1))
+                        order = families[turn % len(families):] + families[: turn % len(families)]
+                        turn += 1
+                        for family in order:
+                            session.activate(family)
+                            measure(session, family, workload, load, seed)
+    else:
+        # The literal way: one engine session per family (session-to-session speed drift included).
+        for family in families:
+            print(f"\n== {family} ({time.monotonic() - started:.0f} s)", flush=True)
+            with Session(family, out, args) as session:
+                if family == "fcfs":
+                    warm_up_and_saturate(session)
+                else:
+                    for workload in workloads:
+                        session.replay(files[workload, 0], workload, rate=1e6, seed=99, limit=60)
+                for seed in seeds:
+                    for workload in workloads:
+                        for load in LOADS:
+                            measure(session, family, workload, load, seed)
     report = [tables(results, families, seeds), ""]
     for workload in workloads:
         report.append(capture_gain(results, families, seeds, workload, 0.9))

@@ -125,11 +125,6 @@ class Guard:
         return cls(aging, rate, bound)
 
 
-def _wait_s(req: WaitingRequest, now: float) -> float:
-    wait = now - req.arrival_time
-    return wait if wait > 0.0 else 0.0
-
-
 def _uncached(req: WaitingRequest) -> int:
     uncached = req.prompt_tokens - req.cached_tokens
     return uncached if uncached > 0 else 0
