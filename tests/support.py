@@ -175,3 +175,14 @@ class RuntimeProcess:
 
     def leftover_children(self) -> set[int]:
         return {pid for pid in self.known_children if alive(pid)}
+
+    def describe(self, pids: set[int]) -> str:
+        lines = []
+        for pid in sorted(pids):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            lines.append(f"pid {pid} state {stat[0]} ppid {stat[1]} pgid {stat[2]}: {cmd[:150]}")
+        return "\n".join(lines)

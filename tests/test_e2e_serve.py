@@ -48,7 +48,8 @@ def stop_cleanly(runtime: RuntimeProcess, drain_s: float) -> None:
     elapsed = time.monotonic() - started
     assert code == 0, runtime.output()
     assert elapsed < drain_s + 15, f"stopping took {elapsed:.1f} s"
-    assert runtime.leftover_children() == set(), "engine processes survived the runtime"
+    left = runtime.leftover_children()
+    assert left == set(), "engine processes survived the runtime:\n" + runtime.describe(left)
     assert "vLLM stopped" in runtime.output()
 
 

@@ -285,7 +285,10 @@ def test_gpu_monitor_logs_joules_per_output_token(tmp_path: Path, monkeypatch: p
         obs.close()
     line = next(r.getMessage() for r in caplog.records if "J per output token" in r.getMessage())
     per_token = float(line.split()[1])
-    # 2 x 60 W for about 0.5 s, about 10 tokens every 0.05 s
-    assert 0.3 < per_token < 1.5, line
+    # 2 x 60 W, about 10 tokens every 0.05 s: around 0.6 J per token, but sleeps stretch under load,
+    # so check the figure against the line's own joules and tokens and keep the range loose.
+    joules, tokens = float(line.split("(")[1].split()[0]), int(line.split(" for ")[1].split()[0])
+    assert per_token == pytest.approx(joules / tokens, rel=0.01), line
+    assert 0.1 < per_token < 5.0, line
     assert "120 W on average" in line and obs.state.joules_per_output_token == pytest.approx(per_token, rel=1e-3)
     assert "CF_FAKE_NVML is set" in caplog.text
