@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import typer
 
 from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
 from carbonforge_runtime import log as cflog
-from carbonforge_runtime.errors import CarbonForgeError
+from carbonforge_runtime.cli_errors import run_guarded
 from carbonforge_runtime.gpu import GpuBackend, default_backend
 from carbonforge_runtime.replay.cli import replay_command
 from carbonforge_runtime.scheduler.ltr_cli import ltr_app
@@ -45,9 +44,6 @@ RUNTIME_FLAGS = (
     "--trace-format", "--metrics", "--dry-run", "--skip-preflight",
 )
 
-T = TypeVar("T")
-
-
 def gpu_backend() -> GpuBackend:
     """The GPU backend commands use; tests replace this function."""
     return default_backend()
@@ -57,13 +53,7 @@ def _settings() -> Settings:
     return load_settings(os.environ)
 
 
-def _guard(fn: Callable[[], T]) -> T:
-    """Run ``fn``; a CarbonForgeError becomes its message on stderr and its exit code."""
-    try:
-        return fn()
-    except CarbonForgeError as exc:
-        typer.echo(exc.render(), err=True)
-        raise typer.Exit(exc.exit_code) from None
+_guard = run_guarded
 
 
 def _version_callback(value: bool) -> None:

@@ -270,19 +270,26 @@ def test_energy_j_is_null_without_nvml() -> None:
     assert "energy_j" in record and record["energy_j"] is None
 
 
-def test_engine_loop_hooks_are_cheap() -> None:
-    """The two hooks the engine loop calls: a dict write and a deque append."""
+class _Untouchable(dict):  # type: ignore[type-arg]
+    """A step's shares that fail if the engine-loop hook walks them (that work belongs to the sampler)."""
+
+    def _refuse(self, *args: object) -> None:
+        raise AssertionError("the engine-loop hook iterated over the step's requests")
+
+    __iter__ = items = keys = values = __len__ = _refuse  # type: ignore[assignment]
+
+
+def test_engine_loop_hooks_do_no_per_request_work() -> None:
+    """The two hooks the engine loop calls only note the step; they never walk its requests
+    (their cost is measured by scripts/bench_energy_hooks.py, not asserted here)."""
     fake = FakeGpuSession("h100")
-    meter = EnergyMeter(fake, [0], LOG, interval_s=0.01).start()
-    shares = {f"r{i}": 1 for i in range(256)}
-    keys = [object() for _ in range(20_000)]
-    started = time.perf_counter()
-    for key in keys:
-        meter.step_started(key, 1.0)
-        meter.step_ended(key, 2.0, shares)
-    per_step_us = (time.perf_counter() - started) / len(keys) * 1e6
+    meter = EnergyMeter(fake, [0], LOG, interval_s=3600).start()
+    shares = _Untouchable({f"r{i}": 1 for i in range(256)})
+    key = object()
+    meter.step_started(key, 1.0)
+    meter.step_ended(key, 2.0, shares)
+    meter.enabled = False  # the sampler must not charge the untouchable step during close
     meter.close()
-    assert per_step_us < 50  # measured about 1 us; the bound only catches an accidental O(requests) hook
 
 
 def test_sampler_thread_keeps_up_with_a_busy_engine() -> None:

@@ -244,7 +244,8 @@ def parse_params(policy: str, params: Mapping[str, Any], where: str, capacity_se
 
     def fail(name: str, problem: str) -> RecipeError:
         return RecipeError(f"{where}: field 'controller.{name}' {problem}",
-                           "fix the recipe's controller block (see docs/energy-metrics.md for the parameters)")
+                           "fix the recipe's controller block "
+                           "(the README's energy controller section lists the parameters)")
 
     if policy not in POLICIES:
         raise fail("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")

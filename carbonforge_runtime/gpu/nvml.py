@@ -28,22 +28,29 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _call(fn: Any, *args: Any) -> Any:
+    """Call an NVML function; its errors come out translated."""
+    import pynvml
+
+    try:
+        return fn(*args)
+    except pynvml.NVMLError as exc:
+        raise _translate(exc) from None
+
+
+def _optional(fn: Any, *args: Any) -> Any:
+    """Like :func:`_call`, but a failure (not supported, no permission...) reads as None."""
+    try:
+        return _call(fn, *args)
+    except GpuError:
+        return None
+
+
 class NvmlBackend:
     """Reads GPU facts through NVML. Construction is free; the driver is touched per call."""
 
-    def _call(self, fn: Any, *args: Any) -> Any:
-        import pynvml
-
-        try:
-            return fn(*args)
-        except pynvml.NVMLError as exc:
-            raise _translate(exc) from None
-
-    def _optional(self, fn: Any, *args: Any) -> Any:
-        try:
-            return self._call(fn, *args)
-        except GpuError:
-            return None
+    _call = staticmethod(_call)
+    _optional = staticmethod(_optional)
 
     def snapshot(self) -> GpuSnapshot:
         try:
@@ -131,19 +138,8 @@ class NvmlSession:
         self._handles: dict[int, Any] = {}
         self._open = False
 
-    def _call(self, fn: Any, *args: Any) -> Any:
-        import pynvml
-
-        try:
-            return fn(*args)
-        except pynvml.NVMLError as exc:
-            raise _translate(exc) from None
-
-    def _optional(self, fn: Any, *args: Any) -> Any:
-        try:
-            return self._call(fn, *args)
-        except GpuError:
-            return None
+    _call = staticmethod(_call)
+    _optional = staticmethod(_optional)
 
     def open(self) -> list[GpuId]:
         try:

@@ -64,7 +64,8 @@ def _refuse_benchmark_only_family(recipe: Recipe, path: Path) -> None:
         raise RecipeError(
             f"{path}: field 'scheduler.family' is {recipe.scheduler.family!r}, a benchmark-only family "
             "that needs each request's true output length",
-            "pick a shipped family (fcfs, ltr-promptlen, affinity, ltr or hybrid); see docs/scheduling.md",
+            "pick a shipped family (fcfs, ltr-promptlen, affinity, ltr or hybrid); "
+            "see the README's request ordering section",
         )
 
 

@@ -94,7 +94,7 @@ class _Fields:
     def fail(self, name: str, problem: str) -> RecipeError:
         return RecipeError(
             f"{self.path}: field '{self.prefix}{name}' {problem}",
-            "fix the recipe file (see recipes/README.md for the schema)",
+            "fix the recipe file (the README's recipes section describes the fields)",
         )
 
     def get(self, name: str, kind: type | tuple[type, ...], default: Any = ..., nullable: bool = False) -> Any:

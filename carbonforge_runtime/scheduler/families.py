@@ -59,14 +59,14 @@ class _Params:
         if unknown:
             raise UsageError(
                 f"scheduler family {family!r} has no parameter(s) {', '.join(unknown)}",
-                f"use only: {', '.join(sorted(allowed))} (see docs/scheduling.md)",
+                f"use only: {', '.join(sorted(allowed))} (see the README's request ordering section)",
             )
         self.family = family
         self.params = params
 
     def fail(self, name: str, problem: str) -> UsageError:
         return UsageError(f"scheduler family {self.family!r}: parameter {name} {problem}",
-                          f"fix scheduler.params.{name} in the recipe (see docs/scheduling.md)")
+                          f"fix scheduler.params.{name} in the recipe (see the README's request ordering section)")
 
     def number(self, name: str, default: float, minimum: float = 0.0, nullable: bool = False) -> float | None:
         value = self.params.get(name, default)

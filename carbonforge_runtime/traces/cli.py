@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import typer
 
+from carbonforge_runtime.cli_errors import run_guarded
 from carbonforge_runtime.errors import CarbonForgeError
 
 trace_app = typer.Typer(
@@ -15,15 +15,20 @@ trace_app = typer.Typer(
     no_args_is_help=True,
 )
 
-T = TypeVar("T")
+_guard = run_guarded
 
 
-def _guard(fn: Callable[[], T]) -> T:
+def _summarize(files: list[Path], window_s: float) -> Any:
+    """Stream every file through one summarizer; damaged input is reported on stderr, not raised."""
+    from carbonforge_runtime.traces import summary as summary_mod
+
+    summarizer = summary_mod.Summarizer(window_s)
     try:
-        return fn()
-    except CarbonForgeError as exc:
-        typer.echo(exc.render(), err=True)
-        raise typer.Exit(exc.exit_code) from None
+        for path in files:
+            summarizer.feed_file(path)
+        return summarizer.result()
+    finally:
+        _warn(summary_mod.problem_lines(summarizer.files, summarizer.bad_examples, summarizer.bad_total))
 
 
 def _warn(lines: list[str]) -> None:
@@ -43,13 +48,7 @@ def summarize(
 
     def run() -> None:
         window_s = summary_mod.parse_window(window)
-        summarizer = summary_mod.Summarizer(window_s)
-        try:
-            for path in files:
-                summarizer.feed_file(path)
-            result = summarizer.result()
-        finally:
-            _warn(summary_mod.problem_lines(summarizer.files, summarizer.bad_examples, summarizer.bad_total))
+        result = _summarize(files, window_s)
         if json_output:
             import json
 
@@ -110,13 +109,7 @@ def plot(
     def run() -> None:
         window_s = summary_mod.parse_window(window)
         plot_mod.load_pyplot()  # fail early, before reading a large file, when matplotlib is missing
-        summarizer = summary_mod.Summarizer(window_s)
-        try:
-            for path in files:
-                summarizer.feed_file(path)
-            result = summarizer.result()
-        finally:
-            _warn(summary_mod.problem_lines(summarizer.files, summarizer.bad_examples, summarizer.bad_total))
+        result = _summarize(files, window_s)
         names = ", ".join(path.name for path in files)
         plot_mod.render_png(result, output, f"{names}: {result.records:,} requests")
         typer.echo(f"wrote {output} ({len(result.windows)} windows of {summary_mod.fmt_window(window_s)})")

@@ -30,7 +30,7 @@ STANDARD_FIELDS = (
     "scheduler_family",
     "priority_score",
 )
-#: Fields this runtime adds at every level (documented in docs/tracing.md).
+#: Fields this runtime adds at every level (documented in the README's request tracing section).
 EXTRA_FIELDS = ("finish_reason", "cached_prompt_tokens", "preemptions", "engine_request_id", "energy_j")
 #: Fields only the full level writes.
 FULL_FIELDS = ("prompt_text", "output_text")
