@@ -1,8 +1,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from tests.support import tiny_model_dir
+
+# Property tests check properties, not speed: a loaded CI machine must not fail them on time.
+settings.register_profile("carbonforge", deadline=None)
+settings.load_profile("carbonforge")
 
 
 @pytest.fixture(autouse=True)
