@@ -88,7 +88,7 @@ def test_affinity_prefers_more_cached_tokens_and_ties_keep_arrival_order() -> No
         picked.append(waiting.pop(i).request_id)
         left.pop(i)
     assert picked == ["hot", "warm", "cold", "cold2"]
-    assert isinstance(family, Affinity) and family.cache_lookup_limit == 128
+    assert isinstance(family, Affinity) and family.cache_lookup_limit == 64
     # Below min_cached_tokens a hit counts as none.
     fussy = make_family("affinity", {"aging_rate": 0, "min_cached_tokens": 100})
     assert fussy.score(req(cached=64), 1.0) == 0.0
@@ -300,9 +300,9 @@ def test_every_shipped_recipe_names_a_family_that_starts() -> None:
 
 def test_families_that_read_the_prefix_cache_bound_their_lookups() -> None:
     # The shim stops asking the prefix cache beyond cache_lookup_limit waiting requests.
-    assert make_family("ltr-promptlen", {}).cache_lookup_limit == 32  # type: ignore[attr-defined]
+    assert make_family("ltr-promptlen", {}).cache_lookup_limit == 16  # type: ignore[attr-defined]
     assert make_family("ltr-promptlen", {"cache_lookup_limit": 8}).cache_lookup_limit == 8  # type: ignore[attr-defined]
-    assert make_family("hybrid", {}).cache_lookup_limit == 32  # type: ignore[attr-defined]
+    assert make_family("hybrid", {}).cache_lookup_limit == 16  # type: ignore[attr-defined]
     assert make_family("affinity", {"max_queue": 10}).cache_lookup_limit == 10  # type: ignore[attr-defined]
     with pytest.raises(UsageError, match="cache_lookup_limit"):
         make_family("hybrid", {"cache_lookup_limit": -1})

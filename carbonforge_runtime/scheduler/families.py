@@ -37,10 +37,12 @@ LTR_PARAMS = ("model", "learn", "prior_weight", "ridge", "max_weight", "max_keys
 
 #: Families only a benchmark may use: a recipe in the shipped recipes directory must not name them.
 BENCHMARK_ONLY = frozenset({"oracle"})
-#: Default ``cache_lookup_limit`` of the size-based families: a prefix-cache lookup costs about
-#: 15-20 us per waiting request in vLLM, so beyond this many waiting requests the uncached prompt
-#: size is approximated by the whole prompt (``affinity`` has its own ``max_queue``).
-DEFAULT_CACHE_LOOKUP_LIMIT = 32
+#: Default ``cache_lookup_limit`` of the size-based families: a prefix-cache lookup costs 20-40 us
+#: per waiting request in vLLM (scripts/bench_scoring.py), so beyond this many waiting requests the
+#: uncached prompt size is approximated by the whole prompt (``affinity`` has its own ``max_queue``).
+DEFAULT_CACHE_LOOKUP_LIMIT = 16
+#: Default ``max_queue`` of ``affinity``: beyond it, arrival order (no lookups).
+DEFAULT_AFFINITY_MAX_QUEUE = 64
 #: Family names reserved for later releases; naming one fails at start with this explanation.
 NOT_IMPLEMENTED = {"tie": "the 'tie' family is not implemented in this release"}
 
@@ -294,7 +296,7 @@ def make_promptlen(params: Mapping[str, Any]) -> Family:
 def make_affinity(params: Mapping[str, Any]) -> Family:
     p = _Params("affinity", params, (*GUARD_PARAMS, "max_queue", "min_cached_tokens"))
     guard = Guard.read(p, default_rate=100.0, cost_based=False)
-    max_queue = p.integer("max_queue", 128, minimum=1)
+    max_queue = p.integer("max_queue", DEFAULT_AFFINITY_MAX_QUEUE, minimum=1)
     min_cached = p.integer("min_cached_tokens", 0, minimum=0)
     assert min_cached is not None
     return Affinity(guard, max_queue, min_cached)
