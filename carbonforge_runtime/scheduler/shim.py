@@ -391,7 +391,9 @@ class _CarbonForgeMixin:
         state.done = True
         request = state.request
         self._cf_counters.requests_completed_total += 1
-        if state.waiting is not None:
+        finish_reason = _FINISH_REASON.get(request.status, "abort")
+        # Only natural ends teach the ranker: an aborted request's length says when the client left.
+        if state.waiting is not None and finish_reason in ("stop", "length"):
             try:
                 self._cf_family.observe(state.waiting, request.num_output_tokens)
             except Exception as exc:  # a family's bug must not stop the engine
@@ -410,7 +412,7 @@ class _CarbonForgeMixin:
             t_completion=now,
             prompt_tokens=request.num_prompt_tokens,
             output_tokens=request.num_output_tokens,
-            finish_reason=_FINISH_REASON.get(request.status, "abort"),
+            finish_reason=finish_reason,
             cached_prompt_tokens=state.cached_prompt_tokens,
             preemptions=request.num_preemptions,
             priority_score=state.priority_score,
