@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from carbonforge_runtime.errors import CarbonForgeError
+from carbonforge_runtime.cli_errors import run_guarded
 
 
 def _parse_token_ids(text: str) -> tuple[int, int]:
@@ -58,13 +58,9 @@ def replay_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
 ) -> None:
     """Replay recorded traffic against an OpenAI-compatible endpoint and write latencies as JSON."""
-    try:
-        code = _run(trace, base_url, model, api_key, rate, token_scale, start, limit, max_prompt_tokens,
-                    max_output_tokens, prompt_format, token_ids, seed, concurrency, deadline_s, request_timeout_s,
-                    output, send_true_length, quiet)
-    except CarbonForgeError as exc:
-        typer.echo(exc.render(), err=True)
-        raise typer.Exit(exc.exit_code) from None
+    code = run_guarded(lambda: _run(trace, base_url, model, api_key, rate, token_scale, start, limit,
+                                    max_prompt_tokens, max_output_tokens, prompt_format, token_ids, seed,
+                                    concurrency, deadline_s, request_timeout_s, output, send_true_length, quiet))
     raise typer.Exit(code)
 
 

@@ -16,18 +16,14 @@ from typing import Any
 
 import typer
 
-from carbonforge_runtime.errors import CarbonForgeError, UsageError
+from carbonforge_runtime.cli_errors import run_guarded
+from carbonforge_runtime.errors import UsageError
 
 ltr_app = typer.Typer(help="Fit and check the learned ranker of the ltr and hybrid scheduler families.",
                       no_args_is_help=True)
 
 
-def _guarded(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except CarbonForgeError as exc:
-        typer.echo(exc.render(), err=True)
-        raise typer.Exit(exc.exit_code) from None
+_guarded = run_guarded
 
 
 def load_tokenize(model_dir: str) -> Callable[[str], list[int]]:
