@@ -104,7 +104,10 @@ async def run_replay(plan: Sequence[PlannedRequest], options: RunOptions,
     client = httpx.AsyncClient(
         base_url=options.base_url, timeout=options.request_timeout_s,
         headers={"Authorization": f"Bearer {options.api_key}"},
-        limits=httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency),
+        # Idle connections are dropped after 2 s, before a server's keep-alive timeout (5 s in
+        # uvicorn, which vLLM uses) can close one just as a request is sent on it.
+        limits=httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency,
+                            keepalive_expiry=2.0),
     )
     try:
         # Also the first request through this client, so its one-time costs fall before the clock.
