@@ -166,7 +166,7 @@ def make_workloads(out: Path, seeds: list[int], n: int, ltr_train: int) -> dict[
     files: dict[tuple[str, int], Path] = {}
     for seed in seeds:
         # Windows spread over the hour of the trace; each seed its own.
-        start = 1500 + seed * 5000
+        start = 1500 + (seed * 5000) % (len(recording.requests) - n - 1500)
         conv = window(recording, start, n)
         files["conv", seed] = out / f"conv-s{seed}.jsonl"
         write_jsonl(files["conv", seed], conv)
@@ -513,6 +513,7 @@ def main() -> int:
     parser.add_argument("--loads", default=",".join(str(x) for x in LOADS),
                         help="loads as fractions of FCFS's capacity (default 0.6,0.9)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="the seeds are FIRST .. FIRST + SEEDS - 1")
     parser.add_argument("--requests", type=int, default=150)
     parser.add_argument("--quick", action="store_true", help="one seed, fcfs and oracle only")
     parser.add_argument("--mode", choices=("switch", "sessions"), default="switch",
@@ -528,7 +529,7 @@ def main() -> int:
         pin_processes()
     families = args.families.split(",")
     workloads = [w for w in args.workloads.split(",") if w]
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if args.quick:
         families, seeds = ["fcfs", "oracle"], [0]
     if families[0] != "fcfs":
@@ -580,7 +581,7 @@ def main() -> int:
 
     def warm_up(session: Session, workload: str) -> None:
         """First shapes compile and caches fill (not measured)."""
-        session.replay(files[workload, 0], workload, rate=1e6, seed=99, limit=60)
+        session.replay(files[workload, seeds[0]], workload, rate=1e6, seed=99, limit=60)
 
     def ensure_capacity(session: Session, workload: str, seed: int) -> None:
         """FCFS's capacity on this window (the session must be serving FCFS)."""

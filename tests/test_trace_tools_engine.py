@@ -8,6 +8,7 @@ matching the records; ``sessions`` must recover exactly the conversations that w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import struct
@@ -108,12 +109,24 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
             sent = dict(zip(CONVERSATIONS, pool.map(converse, CONVERSATIONS), strict=True))
 
-        with ThreadPoolExecutor(BURST_REQUESTS) as pool:
-            burst = list(pool.map(
-                lambda i: ask([{"role": "user", "content": f"Burst request number {i}: write a long story."}],
-                              96, True)[0],
-                range(BURST_REQUESTS),
-            ))
+        async def send_burst() -> list[str]:
+            # One event loop sends the whole burst at once (a pool of client threads can start its
+            # requests one after another on a busy machine, and then nothing queues).
+            async_client = openai.AsyncOpenAI(base_url=runtime.base_url, api_key="unused", timeout=180,
+                                              max_retries=0)
+            try:
+                responses = await asyncio.gather(*(
+                    async_client.chat.completions.create(
+                        model=TINY_SERVED_NAME, max_tokens=96, temperature=1.0, extra_body={"ignore_eos": True},
+                        messages=[{"role": "user", "content": f"Burst request number {i}: write a long story."}],
+                    )
+                    for i in range(BURST_REQUESTS)
+                ))
+            finally:
+                await async_client.close()
+            return [r.id for r in responses]
+
+        burst = asyncio.run(send_burst())
         total = LIGHT_REQUESTS + BURST_REQUESTS + sum(len(ids) for ids in sent.values())
         records = wait_for_records(trace, total)
         yield {"base": base, "trace": trace, "records": records, "light": light, "burst": burst,
