@@ -8,7 +8,6 @@ matching the records; ``sessions`` must recover exactly the conversations that w
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import struct
@@ -24,6 +23,7 @@ from typer.testing import CliRunner
 
 from carbonforge_runtime import cli
 from carbonforge_runtime.traces.sketch import ALPHA, MIN_VALUE
+from tests.burst import send_burst
 from tests.support import TEST_RECIPES, TINY_SERVED_NAME, RuntimeProcess
 
 pytestmark = pytest.mark.engine
@@ -109,24 +109,9 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
             sent = dict(zip(CONVERSATIONS, pool.map(converse, CONVERSATIONS), strict=True))
 
-        async def send_burst() -> list[str]:
-            # One event loop sends the whole burst at once (a pool of client threads can start its
-            # requests one after another on a busy machine, and then nothing queues).
-            async_client = openai.AsyncOpenAI(base_url=runtime.base_url, api_key="unused", timeout=180,
-                                              max_retries=0)
-            try:
-                responses = await asyncio.gather(*(
-                    async_client.chat.completions.create(
-                        model=TINY_SERVED_NAME, max_tokens=96, temperature=1.0, extra_body={"ignore_eos": True},
-                        messages=[{"role": "user", "content": f"Burst request number {i}: write a long story."}],
-                    )
-                    for i in range(BURST_REQUESTS)
-                ))
-            finally:
-                await async_client.close()
-            return [r.id for r in responses]
-
-        burst = asyncio.run(send_burst())
+        # From a child process, so the whole burst reaches the engine at once and queues there.
+        burst = send_burst(runtime.base_url, TINY_SERVED_NAME,
+                           [f"Burst request number {i}: write a long story." for i in range(BURST_REQUESTS)], 96)
         total = LIGHT_REQUESTS + BURST_REQUESTS + sum(len(ids) for ids in sent.values())
         records = wait_for_records(trace, total)
         yield {"base": base, "trace": trace, "records": records, "light": light, "burst": burst,

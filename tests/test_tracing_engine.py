@@ -27,6 +27,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.burst import send_burst
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
 
@@ -245,9 +246,11 @@ class TestFullLevelRecipeSession:
     def test_queue_wait_grows_across_a_burst(self, full_session: Session) -> None:
         s = full_session
         before = len(read_records(s.trace))
-        answers = send_all(s.client, 16, start=100, max_tokens=24, words=20, chat_only=True)
+        # From a child process, so the whole burst reaches the engine at once and queues there.
+        texts = [f"request {100 + i}: " + " ".join(WORDS[(100 + i + k) % len(WORDS)] for k in range(20))
+                 for i in range(16)]
+        ids = set(send_burst(s.runtime.base_url, TINY_SERVED_NAME, texts, 24))
         s.sent += 16
-        ids = {a.id for a in answers}
         burst = [r for r in wait_records(s.trace, before + 16) if r["request_id"] in ids]
         assert len(burst) == 16
         by_admission = sorted(burst, key=lambda r: r["t_arrival"] + r["queue_wait_s"])
