@@ -74,8 +74,12 @@ def client_for(runtime: RuntimeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
 
 
+def prompt_text(i: int, words: int) -> str:
+    return f"request {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words))
+
+
 def ask(client: openai.OpenAI, i: int, max_tokens: int, words: int, stream: bool, chat: bool = True) -> Answer:
-    text = f"request {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words))
+    text = prompt_text(i, words)
     extra = {"ignore_eos": True}
     if not chat:
         done = client.completions.create(model=TINY_SERVED_NAME, prompt=text, max_tokens=max_tokens,
@@ -247,8 +251,7 @@ class TestFullLevelRecipeSession:
         s = full_session
         before = len(read_records(s.trace))
         # From a child process, so the whole burst reaches the engine at once and queues there.
-        texts = [f"request {100 + i}: " + " ".join(WORDS[(100 + i + k) % len(WORDS)] for k in range(20))
-                 for i in range(16)]
+        texts = [prompt_text(i, 20) for i in range(100, 116)]
         ids = set(send_burst(s.runtime.base_url, TINY_SERVED_NAME, texts, 24))
         s.sent += 16
         burst = [r for r in wait_records(s.trace, before + 16) if r["request_id"] in ids]
