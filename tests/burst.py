@@ -28,19 +28,25 @@ async def main():
             for text in job["texts"]))
     finally:
         await client.close()
-    print(json.dumps([r.id for r in replies]))
+    print(json.dumps([[r.id, r.usage.completion_tokens if r.usage else None] for r in replies]))
 
 asyncio.run(main())
 """
 
 
-def send_burst(base_url: str, model: str, texts: list[str], max_tokens: int, timeout_s: float = 180.0) -> list[str]:
-    """The response ids, in the order of ``texts`` (every request ignores EOS)."""
+def send_burst_replies(base_url: str, model: str, texts: list[str], max_tokens: int,
+                       timeout_s: float = 180.0) -> list[tuple[str, int | None]]:
+    """(response id, completion tokens) per request, in the order of ``texts`` (every request ignores EOS)."""
     job: dict[str, Any] = {"base_url": base_url, "model": model, "texts": texts, "max_tokens": max_tokens,
                            "timeout_s": timeout_s}
     done = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(job), capture_output=True, text=True,
                           timeout=timeout_s + 60, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    ids = json.loads(done.stdout.strip().splitlines()[-1])
-    assert isinstance(ids, list) and len(ids) == len(texts)
-    return [str(i) for i in ids]
+    replies = json.loads(done.stdout.strip().splitlines()[-1])
+    assert isinstance(replies, list) and len(replies) == len(texts)
+    return [(str(rid), tokens) for rid, tokens in replies]
+
+
+def send_burst(base_url: str, model: str, texts: list[str], max_tokens: int, timeout_s: float = 180.0) -> list[str]:
+    """The response ids, in the order of ``texts``."""
+    return [rid for rid, _ in send_burst_replies(base_url, model, texts, max_tokens, timeout_s)]

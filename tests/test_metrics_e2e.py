@@ -15,14 +15,13 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
+from tests.burst import send_burst_replies
 from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, free_port
 
 pytestmark = pytest.mark.engine
@@ -181,16 +180,10 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
         time.sleep(0.2)
     assert [c["call"] for c in calls_of(session.calls)] == ["set_locked_clocks"], runtime.output()
 
-    client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
-
-    def ask(i: int) -> Any:
-        return client.chat.completions.create(
-            model=TINY_SERVED_NAME, messages=[{"role": "user", "content": f"Request {i}: count to ten."}],
-            max_tokens=OUTPUT_TOKENS, extra_body={"ignore_eos": True})
-
-    with ThreadPoolExecutor(REQUESTS) as pool:
-        responses = list(pool.map(ask, range(REQUESTS)))
-    assert all(r.usage is not None and r.usage.completion_tokens == OUTPUT_TOKENS for r in responses)
+    # From a child process, so the whole burst reaches the engine at once and the load rises sharply.
+    replies = send_burst_replies(runtime.base_url, TINY_SERVED_NAME,
+                                 [f"Request {i}: count to ten." for i in range(REQUESTS)], OUTPUT_TOKENS, timeout_s=300)
+    assert all(tokens == OUTPUT_TOKENS for _, tokens in replies), replies
 
     # 1. the real Prometheus saw every request
     prom = session.prometheus
