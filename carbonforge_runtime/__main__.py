@@ -1,4 +1,4 @@
-from carbonforge_runtime.cli import main
+from carbonforge_runtime.cli.main import main
 
 if __name__ == "__main__":
     main()

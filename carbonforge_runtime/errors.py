@@ -30,7 +30,7 @@ class UsageError(CarbonForgeError):
 
 
 class ContextKeyError(UsageError):
-    pass
+    """A context key is malformed, names an unknown workload, or matches no recipe."""
 
 
 class RecipeError(CarbonForgeError):

@@ -10,7 +10,7 @@ import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from carbonforge_runtime.errors import OverrideError
 
@@ -128,19 +128,93 @@ VARIABLES: tuple[Var, ...] = (
 
 _BY_NAME = {var.name: var for var in VARIABLES}
 
+#: The declared names; a name outside this list fails type checking wherever a name is passed.
+VarName = Literal[
+    "CF_CONTEXT_KEY", "CARBONFORGE_LICENSE_KEY", "CF_LICENSE_FILE", "CF_DRY_RUN", "CF_MAX_MODEL_LEN",
+    "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
+    "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "HF_TOKEN", "HF_HUB_OFFLINE",
+    "HUGGINGFACE_HUB_CACHE",
+]
+
 
 @dataclass(frozen=True)
 class Settings:
-    """Parsed values of :data:`VARIABLES`; ``raw`` keeps the text for provenance messages."""
+    """Parsed values of :data:`VARIABLES`, read through one typed property per variable;
+    ``raw`` keeps the text for provenance messages."""
 
     values: Mapping[str, Any]
     raw: Mapping[str, str] = field(default_factory=dict)
 
-    def get(self, name: str) -> Any:
+    def value(self, name: VarName) -> Any:
+        """The parsed value of ``name``, or its default (for code that loops over names)."""
         return self.values.get(name, _BY_NAME[name].default)
 
-    def is_set(self, name: str) -> bool:
+    def is_set(self, name: VarName) -> bool:
         return name in self.values
+
+    @property
+    def context_key(self) -> str | None:
+        return cast("str | None", self.value("CF_CONTEXT_KEY"))
+
+    @property
+    def license_key(self) -> str | None:
+        return cast("str | None", self.value("CARBONFORGE_LICENSE_KEY"))
+
+    @property
+    def license_file(self) -> Path:
+        return Path(str(self.value("CF_LICENSE_FILE"))).expanduser()
+
+    @property
+    def dry_run(self) -> bool:
+        return bool(self.value("CF_DRY_RUN"))
+
+    @property
+    def max_model_len(self) -> int | None:
+        return cast("int | None", self.value("CF_MAX_MODEL_LEN"))
+
+    @property
+    def gpu_memory_utilization(self) -> float | None:
+        return cast("float | None", self.value("CF_GPU_MEMORY_UTILIZATION"))
+
+    @property
+    def vllm_extra_args(self) -> list[str]:
+        return list(self.value("CF_VLLM_EXTRA_ARGS") or [])
+
+    @property
+    def recipes_dir(self) -> str | None:
+        return cast("str | None", self.value("CF_RECIPES_DIR"))
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(str(self.value("CF_LOG_DIR"))).expanduser()
+
+    @property
+    def port(self) -> int:
+        return int(self.value("CF_PORT"))
+
+    @property
+    def host(self) -> str:
+        return str(self.value("CF_HOST"))
+
+    @property
+    def metrics_port(self) -> int:
+        return int(self.value("CF_METRICS_PORT"))
+
+    @property
+    def fake_nvml(self) -> str | None:
+        return cast("str | None", self.value("CF_FAKE_NVML")) or None
+
+    @property
+    def ready_timeout_s(self) -> float:
+        return float(self.value("CF_READY_TIMEOUT_S"))
+
+    @property
+    def tiny_model_dir(self) -> Path:
+        return Path(str(self.value("CF_TINY_MODEL_DIR"))).expanduser()
+
+    @property
+    def hf_hub_offline(self) -> bool:
+        return bool(self.value("HF_HUB_OFFLINE"))
 
 
 def load_settings(environ: Mapping[str, str]) -> Settings:
@@ -166,3 +240,14 @@ def describe() -> list[tuple[str, str, str]]:
         default = "" if var.default is None else str(var.default)
         rows.append((var.name, default, var.doc))
     return rows
+
+
+def _check_names() -> None:
+    """The typed names and the declared variables are the same list (checked on import)."""
+    declared = {var.name for var in VARIABLES}
+    typed = set(VarName.__args__)  # type: ignore[attr-defined]
+    if declared != typed:
+        raise RuntimeError(f"settings: VarName and VARIABLES differ: {sorted(declared ^ typed)}")
+
+
+_check_names()

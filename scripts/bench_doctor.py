@@ -40,8 +40,8 @@ def median_p90(values: list[float]) -> tuple[float, float]:
 
 
 def in_process_doctor(runs: int, env: dict[str, str]) -> list[float]:
-    from carbonforge_runtime.doctor import DoctorRequest, run_doctor
-    from carbonforge_runtime.gpu import default_backend
+    from carbonforge_runtime.gpu.select import default_backend
+    from carbonforge_runtime.runtime.doctor import DoctorRequest, run_doctor
 
     times = []
     for _ in range(runs):

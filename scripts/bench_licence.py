@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from carbonforge_runtime.licensing import LicenseInvalid, verify  # noqa: E402
+from carbonforge_runtime.runtime.licensing import LicenseInvalid, verify  # noqa: E402
 from tests.support_licensed_runtime import Signer  # noqa: E402
 
 TARGET_S = 1e-3
@@ -53,7 +53,7 @@ COLD = """
 import sys, time
 sys.path.insert(0, {repo!r})
 start = time.perf_counter()
-from carbonforge_runtime.licensing import verify
+from carbonforge_runtime.runtime.licensing import verify
 imported = time.perf_counter()
 verify({text!r}, {{{kid!r}: bytes.fromhex({pub!r})}}, {now!r})
 done = time.perf_counter()
@@ -76,7 +76,7 @@ def main() -> int:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     payload_b64, signature_b64 = text.split(".")[1:]
-    from carbonforge_runtime.licensing.core import b64url_decode
+    from carbonforge_runtime.runtime.licensing.core import b64url_decode
 
     payload, signature = b64url_decode(payload_b64), b64url_decode(signature_b64)
 

@@ -51,10 +51,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from carbonforge_runtime.replay.plan import PlanOptions, build_plan  # noqa: E402
-from carbonforge_runtime.replay.runner import RunOptions, run_replay  # noqa: E402
-from carbonforge_runtime.replay.trace import load_recording, write_jsonl  # noqa: E402
-from carbonforge_runtime.replay.workloads import prefill_heavy, templated, tokenizer_counter, window  # noqa: E402
+from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan  # noqa: E402
+from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay  # noqa: E402
+from carbonforge_runtime.offline.replay.trace import load_recording, write_jsonl  # noqa: E402
+from carbonforge_runtime.offline.replay.workloads import prefill_heavy, templated, tokenizer_counter, window  # noqa: E402
 from tests.support import TINY_SERVED_NAME, RuntimeProcess, tiny_model_dir  # noqa: E402
 
 AZURE = Path("/work/shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv")
@@ -483,7 +483,7 @@ def ltr_check(out: Path, files: dict[tuple[str, int], Path], seeds: list[int]) -
     seeds but the last, Kendall tau on the last (held out)."""
     from typer.testing import CliRunner
 
-    from carbonforge_runtime.cli import app
+    from carbonforge_runtime.cli.main import app
 
     per_seed: dict[int, list[dict[str, Any]]] = {}
     with Session("fcfs", out, ENGINES["templated"], level="full", name="ltr-check") as session:
@@ -548,7 +548,7 @@ def main() -> int:
     model = out / "ltr-model.json"
     from typer.testing import CliRunner
 
-    from carbonforge_runtime.cli import app
+    from carbonforge_runtime.cli.main import app
 
     fitted = CliRunner().invoke(app, ["ltr", "fit", str(files["train", 0]), "-o", str(model),
                                       "--tokenizer", str(tiny_model_dir()), "--holdout", "0.2"])

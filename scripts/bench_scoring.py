@@ -32,8 +32,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from carbonforge_runtime.scheduler.ltr import LtrModel, prefix_hash  # noqa: E402
-from carbonforge_runtime.scheduler.policy import WaitingRequest, make_family, pick_next  # noqa: E402
+from carbonforge_runtime.core.ordering.base import WaitingRequest  # noqa: E402
+from carbonforge_runtime.core.ordering.ltr import LtrModel, prefix_hash  # noqa: E402
+from carbonforge_runtime.core.ordering.registry import make_family, pick_next  # noqa: E402
 
 FAMILIES = ("fcfs", "ltr-promptlen", "affinity", "ltr", "hybrid", "oracle")
 BLOCK = 16
@@ -112,7 +113,7 @@ def queue_costs(reqs: list[dict[str, Any]], model_path: str) -> dict[str, float]
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    from carbonforge_runtime.scheduler.shim import ScoredQueue, _Live
+    from carbonforge_runtime.engine.scheduler import ScoredQueue, _Live
 
     init_none_hash(sha256)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)

@@ -44,11 +44,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from carbonforge_runtime.launch.command import build_recipe_plan  # noqa: E402
+from carbonforge_runtime.core.contract import CONFIG_ENV  # noqa: E402
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs, resolve  # noqa: E402
-from carbonforge_runtime.scheduler.config import CONFIG_ENV  # noqa: E402
+from carbonforge_runtime.runtime.launch_plan import build_recipe_plan  # noqa: E402
+from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model  # noqa: E402
 from carbonforge_runtime.settings import load_settings  # noqa: E402
-from carbonforge_runtime.tiny_model import ensure_tiny_model  # noqa: E402
 
 KEY = "cf-tiny:bf16:chat:cpu"
 WORDS = ("invoice", "payment", "dashboard", "overdue", "receipt", "terms", "billing", "history", "account",
@@ -114,7 +114,7 @@ class Engine:
 def engines(workdir: Path) -> list[Engine]:
     settings = load_settings({})
     recipe = resolve(KEY, load_recipes(recipe_dirs(None)))
-    model = str(ensure_tiny_model(Path(os.path.expanduser(settings.get("CF_TINY_MODEL_DIR")))))
+    model = str(ensure_tiny_model(settings.tiny_model_dir))
     base_env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     base_env.pop("CF_CONTEXT_KEY", None)
     out = []
@@ -261,12 +261,12 @@ def loop_cost(rounds: int, requests: int, engine_cpu_per_request_s: float | None
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from carbonforge_runtime.scheduler.config import ShimConfig
-    from carbonforge_runtime.scheduler.shim import make_scheduler
-    from carbonforge_runtime.tracing.config import TraceConfig
+    from carbonforge_runtime.core.contract import ShimConfig
+    from carbonforge_runtime.engine.scheduler import make_scheduler
+    from carbonforge_runtime.runtime.trace_options import TraceConfig
 
     settings = load_settings({})
-    model = str(ensure_tiny_model(Path(os.path.expanduser(settings.get("CF_TINY_MODEL_DIR")))))
+    model = str(ensure_tiny_model(settings.tiny_model_dir))
     init_none_hash(sha256)
     hasher = get_request_block_hasher(16, sha256)
     workdir = Path(tempfile.mkdtemp(prefix="cf-bench-loop-"))

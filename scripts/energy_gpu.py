@@ -28,11 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from carbonforge_runtime.energy.controller import Controller
-from carbonforge_runtime.energy.meter import EnergyMeter
-from carbonforge_runtime.energy.policy import Signals, parse_params
-from carbonforge_runtime.gpu import GpuError
-from carbonforge_runtime.gpu.control import GpuId, GpuSession, open_session, select_visible
+from carbonforge_runtime.core.energy_policy import Signals, parse_params
+from carbonforge_runtime.engine.energy_meter import EnergyMeter
+from carbonforge_runtime.gpu.select import open_session, select_visible
+from carbonforge_runtime.gpu.types import GpuError, GpuId, GpuSession
+from carbonforge_runtime.runtime.energy.controller import Controller
 
 log = logging.getLogger("energy-gpu")
 

@@ -8,6 +8,8 @@ echo "== ruff"
 .venv/bin/ruff check carbonforge_runtime tests scripts docker
 echo "== mypy"
 .venv/bin/mypy
+echo "== docs"
+.venv/bin/python scripts/gen_docs.py --check
 echo "== hadolint"
 .venv/bin/hadolint Dockerfile
 if ! command -v promtool >/dev/null 2>&1; then

@@ -2,7 +2,7 @@
 
 Run as ``python tests/engine_double.py [vLLM arguments]``: it answers ``/health`` on ``--port``, and,
 like the scheduler shim, sends the runtime a few completed requests and then the engine's counters
-every 0.2 s through the metrics feed named in ``CF_SCHEDULER_CONFIG``. It exits 0 a second after SIGTERM
+every 0.2 s through the metrics feed named in the engine contract. It exits 0 a second after SIGTERM
 (its drain), and 1
 (a crash) once the file named by ``CF_DOUBLE_CRASH_FILE`` exists.
 """
@@ -10,7 +10,6 @@ every 0.2 s through the metrics feed named in ``CF_SCHEDULER_CONFIG``. It exits 
 from __future__ import annotations
 
 import http.server
-import json
 import os
 import signal
 import sys
@@ -19,7 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from carbonforge_runtime.metrics.feed import FeedSender, encode_counters, encode_records
+from carbonforge_runtime.core.contract import EngineContract
+from carbonforge_runtime.core.feed_protocol import EngineCounters, encode_counters, encode_records
+from carbonforge_runtime.engine.metrics_feed import FeedSender
 
 REQUESTS = 3
 
@@ -40,17 +41,15 @@ def main() -> int:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = json.loads(os.environ.get("CF_SCHEDULER_CONFIG", "{}"))
-    feed = ((config.get("trace") or {}).get("extra") or {}).get("metrics_feed")
-    sender = FeedSender(feed["socket"]) if feed else None
+    feed = EngineContract.from_environ(os.environ).metrics_feed
+    sender = FeedSender(feed.socket) if feed else None
     if sender is not None:
         record = {"scheduler_family": "fcfs", "finish_reason": "stop", "queue_wait_s": 0.01, "ttft_s": 0.05,
                   "e2e_latency_s": 0.4, "prompt_tokens": 20, "output_tokens": 8, "energy_j": 12.5}
         sender.send(encode_records(sender.sid, sender.next_seq(), [record] * REQUESTS))
     crash_file = os.environ.get("CF_DOUBLE_CRASH_FILE")
-    counters = {"steps": 0, "waiting": 0, "running": int(os.environ.get("CF_DOUBLE_RUNNING", "0")),
-                "tokens_scheduled_total": 0, "requests_arrived_total": REQUESTS,
-                "requests_completed_total": REQUESTS}
+    counters = EngineCounters(running=int(os.environ.get("CF_DOUBLE_RUNNING", "0")),
+                              requests_arrived_total=REQUESTS, requests_completed_total=REQUESTS)
     while not stop.wait(0.2):
         if crash_file and os.path.exists(crash_file):
             return 1

@@ -27,7 +27,7 @@ def free_port() -> int:
 
 def tiny_model_dir() -> Path:
     """One copy of the built-in tiny model for the whole test run."""
-    from carbonforge_runtime.tiny_model import ensure_tiny_model
+    from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
 
     base = Path(os.environ.get("CF_TEST_CACHE", Path.home() / ".cache" / "carbonforge-tests"))
     return ensure_tiny_model(base / "tiny-chat")

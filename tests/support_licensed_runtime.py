@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from carbonforge_runtime.licensing import keys
+from carbonforge_runtime.runtime.licensing import keys
 
 TEST_KEYS_VAR = "CF_TEST_TRUSTED_KEYS"
 
@@ -29,7 +29,7 @@ def install_test_keys(spec: str) -> None:
 
 if __name__ == "__main__":
     install_test_keys(os.environ.get(TEST_KEYS_VAR, ""))
-    from carbonforge_runtime.cli import main
+    from carbonforge_runtime.cli.main import main
 
     main()
 
@@ -70,7 +70,7 @@ class Signer:
 
     @property
     def public_text(self) -> str:
-        from carbonforge_runtime.licensing.core import b64url_encode
+        from carbonforge_runtime.runtime.licensing.core import b64url_encode
 
         return b64url_encode(self.public)
 
@@ -83,6 +83,6 @@ class Signer:
         ))
 
     def sign_payload(self, payload: bytes) -> str:
-        from carbonforge_runtime.licensing.core import assemble
+        from carbonforge_runtime.runtime.licensing.core import assemble
 
         return str(assemble(payload, vendor_tool().sign(self.private, payload)))

@@ -6,7 +6,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime import cli
+from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 
 runner = CliRunner()

@@ -12,9 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carbonforge_runtime.energy.actuator import GpuActuator, has_cap_sys_admin
-from carbonforge_runtime.energy.controller import Controller
-from carbonforge_runtime.energy.policy import (
+from carbonforge_runtime.core.energy_policy import (
     DEFAULT_LEVELS,
     POLICY_POWER,
     POLICY_SM_CLOCK,
@@ -31,9 +29,12 @@ from carbonforge_runtime.energy.policy import (
     target_for,
 )
 from carbonforge_runtime.errors import RecipeError
-from carbonforge_runtime.gpu.control import GpuLimits
 from carbonforge_runtime.gpu.fake import FakeGpuSession
+from carbonforge_runtime.gpu.types import GpuLimits
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs
+from carbonforge_runtime.runtime.energy.actuator import GpuActuator
+from carbonforge_runtime.runtime.energy.controller import Controller
+from carbonforge_runtime.runtime.privileges import parse_cap_sys_admin
 
 CAPACITY = 100
 PARAMS = ControllerParams(policy=POLICY_SM_CLOCK, capacity_seqs=CAPACITY, down_periods=3, hysteresis=0.05,
@@ -365,10 +366,10 @@ def test_actuator_writes_only_changes_and_restores_everything_it_changed() -> No
 
 
 def test_cap_sys_admin_is_read_from_the_effective_set() -> None:
-    assert has_cap_sys_admin("Name:\tx\nCapEff:\t000001ffffffffff\n")
-    assert has_cap_sys_admin("CapEff:\t0000000000200000\n")
-    assert not has_cap_sys_admin("CapEff:\t00000000a80425fb\n")  # docker's default set
-    assert not has_cap_sys_admin("nothing here")
+    assert parse_cap_sys_admin("Name:\tx\nCapEff:\t000001ffffffffff\n") is True
+    assert parse_cap_sys_admin("CapEff:\t0000000000200000\n") is True
+    assert parse_cap_sys_admin("CapEff:\t00000000a80425fb\n") is False  # docker's default set
+    assert parse_cap_sys_admin("nothing here") is None  # unknown: the controller does not act on it
 
 
 def test_a_failing_period_returns_to_full_performance() -> None:

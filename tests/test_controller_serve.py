@@ -24,8 +24,8 @@ import pytest
 
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.launch import supervisor
-from carbonforge_runtime.serve import ServeOptions, serve
+from carbonforge_runtime.runtime import supervisor
+from carbonforge_runtime.runtime.serve import ServeOptions, serve
 from carbonforge_runtime.settings import load_settings
 from tests.support import REPO, free_port
 

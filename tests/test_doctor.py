@@ -6,14 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from carbonforge_runtime.doctor import DOCTOR, FAIL, OK, PREFLIGHT, WARN, Check, DoctorRequest, diagnose
-from carbonforge_runtime.doctor.checks import NVML_REMEDY
-from carbonforge_runtime.doctor.facts import EngineFacts, LicenseFacts, OtelFacts, PrivilegeFacts
-from carbonforge_runtime.doctor.fake import DAY_S, FIXED_NOW, FixedProbes, valid_license
-from carbonforge_runtime.doctor.model import exit_code, verdict
-from carbonforge_runtime.doctor.report import render_text
-from carbonforge_runtime.gpu import GpuSnapshot
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, device, host, host_of, no_gpus, nvml_denied, process
+from carbonforge_runtime.gpu.types import GpuSnapshot
+from carbonforge_runtime.runtime.doctor import DOCTOR, FAIL, OK, PREFLIGHT, WARN, Check, DoctorRequest, diagnose
+from carbonforge_runtime.runtime.doctor.checks import NVML_REMEDY
+from carbonforge_runtime.runtime.doctor.facts import EngineFacts, LicenseFacts, OtelFacts, PrivilegeFacts
+from carbonforge_runtime.runtime.doctor.fake import DAY_S, FIXED_NOW, FixedProbes, valid_license
+from carbonforge_runtime.runtime.doctor.model import exit_code, verdict
+from carbonforge_runtime.runtime.doctor.report import render_text
 
 L4_KEY = "qwen2.5-0.5b:fp8:chat:l4x1"
 A100_KEY = "qwen3-32b:fp8:chat:a100-80x1"
@@ -249,7 +249,7 @@ def test_invalid_variable_is_a_fail_not_a_crash() -> None:
 
 
 def test_controller_recipe_without_privileges_runs_observe_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from carbonforge_runtime.doctor import facts as facts_module
+    from carbonforge_runtime.runtime.doctor import facts as facts_module
 
     real = facts_module._recipe_plan
 

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime import cli
-from carbonforge_runtime.doctor import FAIL, WARN, PreflightFailed, preflight
-from carbonforge_runtime.doctor.facts import EngineFacts
-from carbonforge_runtime.doctor.fake import FixedProbes
+from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.gpu.nvml import NvmlBackend
-from carbonforge_runtime.serve import ServeOptions, prepare, serve
+from carbonforge_runtime.runtime.checks import PreflightFailed, preflight
+from carbonforge_runtime.runtime.doctor import FAIL, WARN
+from carbonforge_runtime.runtime.doctor.facts import EngineFacts
+from carbonforge_runtime.runtime.doctor.fake import FixedProbes
+from carbonforge_runtime.runtime.serve import ServeOptions, prepare, serve
 from carbonforge_runtime.settings import load_settings
 from tests.support import free_port
 
@@ -99,7 +100,8 @@ def run_preflight(options: ServeOptions, backend: FakeGpuBackend, probes: FixedP
     settings = load_settings(env or {})
     prepared = prepare(options, settings, env or {}, backend)
     out = io.StringIO()
-    checks = preflight(prepared, options, settings, env or {}, backend, probes=probes or FixedProbes(), out=out)
+    checks = preflight(prepared.serve_plan, options, settings, env or {}, backend, prepared.snapshot,
+                       probes=probes or FixedProbes(), out=out)
     return checks, out.getvalue()
 
 
@@ -163,7 +165,7 @@ class EngineStarted(Exception):
 
 def test_serve_stops_before_the_engine_on_a_busy_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str], tiny_model: str) -> None:
-    from carbonforge_runtime.launch import supervisor
+    from carbonforge_runtime.runtime import supervisor
 
     def no_engine(*args: object, **kwargs: object) -> None:
         raise EngineStarted

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from carbonforge_runtime.doctor import DoctorRequest, diagnose, render_json, render_text
-from carbonforge_runtime.doctor.facts import EngineFacts, LicenseFacts, OtelFacts, PrivilegeFacts
-from carbonforge_runtime.doctor.fake import FIXED_NOW, FixedProbes
-from carbonforge_runtime.gpu import GpuSnapshot
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, device, host, host_of, process
+from carbonforge_runtime.gpu.types import GpuSnapshot
+from carbonforge_runtime.runtime.doctor import DoctorRequest, diagnose, render_json, render_text
+from carbonforge_runtime.runtime.doctor.facts import EngineFacts, LicenseFacts, OtelFacts, PrivilegeFacts
+from carbonforge_runtime.runtime.doctor.fake import FIXED_NOW, FixedProbes
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 

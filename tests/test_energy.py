@@ -13,12 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carbonforge_runtime.energy.attribution import EnergyAttributor
-from carbonforge_runtime.energy.meter import ENERGY_KEY, EnergyMeter, start_meter
+from carbonforge_runtime.core.contract import EnergyMetering
+from carbonforge_runtime.core.energy_attribution import EnergyAttributor
+from carbonforge_runtime.core.trace_record import Completion, build_record
+from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
+from carbonforge_runtime.engine.trace_writer import TraceWriter
 from carbonforge_runtime.gpu.fake import FakeGpuSession
-from carbonforge_runtime.tracing.config import TraceConfig
-from carbonforge_runtime.tracing.record import Completion, build_record
-from carbonforge_runtime.tracing.writer import TraceWriter
+from carbonforge_runtime.runtime.trace_options import TraceConfig
 
 LOG = logging.getLogger("test.energy")
 
@@ -192,10 +193,10 @@ def test_meter_charges_every_request_and_the_sum_matches_the_counter_within_2_pe
 def test_meter_off_means_null_and_a_failing_counter_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeGpuSession("h100")
     meter = EnergyMeter(fake, [0], LOG, interval_s=0.005).start()
-    monkeypatch.setattr("carbonforge_runtime.energy.meter.MAX_READ_FAILURES", 3)
+    monkeypatch.setattr("carbonforge_runtime.engine.energy_meter.MAX_READ_FAILURES", 3)
 
     def broken(index: int) -> float:
-        from carbonforge_runtime.gpu import GpuError
+        from carbonforge_runtime.gpu.types import GpuError
 
         raise GpuError("gpu-lost", "GPU is lost")
 
@@ -211,13 +212,13 @@ def test_meter_off_means_null_and_a_failing_counter_turns_it_off(monkeypatch: py
 
 
 def test_start_meter_needs_the_runtimes_request_and_nvml(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
-    assert start_meter({}, LOG) is None  # the runtime asked for nothing
+    assert start_meter(None, LOG) is None  # the runtime asked for nothing
     script = tmp_path / "nvml.json"
     script.write_text('{"unavailable": "no-driver"}')
-    assert start_meter({ENERGY_KEY: {"gpus": [], "fake_nvml": str(script)}}, LOG) is None
+    assert start_meter(EnergyMetering(gpus=(), fake_nvml=str(script)), LOG) is None
     assert "energy_j is null" in caplog.text
     script.write_text('{"kind": "l4", "count": 2}')
-    meter = start_meter({ENERGY_KEY: {"gpus": ["GPU-fake-l4-1"], "fake_nvml": str(script)}}, LOG)
+    meter = start_meter(EnergyMetering(gpus=("GPU-fake-l4-1",), fake_nvml=str(script)), LOG)
     assert meter is not None and meter.indices == [1]
     meter.close()
 
@@ -334,7 +335,7 @@ def test_the_gpu_check_script_runs_on_the_fake_and_sets_nothing(tmp_path: Any) -
 
 
 def test_the_span_carries_energy_when_there_is_some() -> None:
-    from carbonforge_runtime.tracing.sinks import span_attributes
+    from carbonforge_runtime.engine.trace_sinks import span_attributes
 
     done = completion("chatcmpl-s-01234567", time.time())
     assert "cf.energy_j" not in span_attributes(build_record(done, family="fcfs", level="standard"))

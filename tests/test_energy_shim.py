@@ -16,11 +16,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from carbonforge_runtime.energy.meter import ENERGY_KEY
+from carbonforge_runtime.core.contract import CONTRACT_ENV, EnergyMetering, EngineContract, MetricsFeed, TraceConfig
+from carbonforge_runtime.core.feed_protocol import EngineState, RequestSample
 from carbonforge_runtime.gpu.fake import FakeGpuSession
-from carbonforge_runtime.metrics.feed import FEED_KEY, EngineState, FeedReceiver, RequestSample
-from carbonforge_runtime.scheduler.config import CONFIG_ENV, ShimConfig
-from carbonforge_runtime.tracing.config import TraceConfig
+from carbonforge_runtime.runtime.metrics.receiver import FeedReceiver
 from tests.test_shim import Engine, records, vllm_parts  # noqa: F401
 
 STEP_S = 0.008
@@ -46,9 +45,9 @@ def test_every_record_carries_energy_j_and_they_add_up_to_the_counter(
     script = tmp_path / "nvml.json"
     script.write_text(json.dumps({"kind": "h100", "count": 2, "power_w": WATTS}))
     path = tmp_path / "t.jsonl"
-    trace = TraceConfig(level="standard", file=str(path), flush_timeout_s=5.0,
-                        extra={ENERGY_KEY: {"gpus": [], "fake_nvml": str(script)}})
-    monkeypatch.setenv(CONFIG_ENV, ShimConfig("fcfs", {}, trace).to_json())
+    trace = TraceConfig(level="standard", file=str(path), flush_timeout_s=5.0)
+    contract = EngineContract(tracing=trace, energy_meter=EnergyMetering(gpus=(), fake_nvml=str(script)))
+    monkeypatch.setenv(CONTRACT_ENV, contract.to_json())
     engine = TimedEngine(vllm_parts, max_num_seqs=4)
     assert engine.scheduler._cf_energy is not None
     for i in range(10):
@@ -77,9 +76,8 @@ def test_the_feed_carries_records_and_counters_to_the_runtime(
     states: list[EngineState] = []
     receiver = FeedReceiver(str(sock), samples.extend, states.append, logging.getLogger("test")).start()
     try:
-        # tracing off, metrics on: the runtime asks for a standard-level writer with only the feed
-        trace = TraceConfig(level="standard", flush_timeout_s=5.0, extra={FEED_KEY: {"socket": str(sock)}})
-        monkeypatch.setenv(CONFIG_ENV, ShimConfig("fcfs", {}, trace).to_json())
+        # tracing off, metrics on: the contract names the feed and no trace part
+        monkeypatch.setenv(CONTRACT_ENV, EngineContract(metrics_feed=MetricsFeed(str(sock))).to_json())
         engine = Engine(vllm_parts, max_num_seqs=2)
         for i in range(5):
             engine.add(f"chatcmpl-f{i}-0000000{i}", list(range(1, 20)), max_tokens=3)
@@ -93,6 +91,7 @@ def test_the_feed_carries_records_and_counters_to_the_runtime(
     assert len(samples) == 5 and {s.output_tokens for s in samples} == {3}
     assert all(s.family == "fcfs" and s.finish_reason == "length" and s.energy_j is None for s in samples)
     last = states[-1]
-    assert last.requests_completed_total == 5 and last.waiting == 0 and last.running == 0
+    assert last.counters.requests_completed_total == 5 and last.counters.waiting == 0
+    assert last.counters.running == 0
     assert last.sinks == {}  # no trace sink: nothing to count
     assert receiver.stats.lost == 0 and not os.path.exists(sock)

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from carbonforge_runtime.core.ordering.base import WaitingRequest
+from carbonforge_runtime.core.ordering.families import Affinity, Hybrid, Ranker
+from carbonforge_runtime.core.ordering.ltr import LtrModel
+from carbonforge_runtime.core.ordering.registry import FAMILIES, make_family, pick_next
 from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.scheduler.families import Affinity, Hybrid, Ranker
-from carbonforge_runtime.scheduler.ltr import LtrModel
-from carbonforge_runtime.scheduler.policy import FAMILIES, WaitingRequest, make_family, pick_next
 
 REORDERING = ("ltr-promptlen", "affinity", "ltr", "hybrid", "oracle")
 
@@ -320,7 +321,7 @@ def test_a_recipe_naming_tie_or_an_unknown_family_fails_at_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, message: str) -> None:
     from typer.testing import CliRunner
 
-    from carbonforge_runtime.cli import app
+    from carbonforge_runtime.cli.main import app
 
     (tmp_path / "r.yaml").write_text(_recipe_yaml("cf-tiny-x:bf16:chat:cpu", family))
     monkeypatch.setenv("CF_RECIPES_DIR", str(tmp_path))

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime import cli
+from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.errors import LicenseError
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.launch.model_arg import CANNOT_GATE, model_matches, resolve_model
-from carbonforge_runtime.licensing import LicenseInvalid, keys
-from carbonforge_runtime.licensing.gate import gate_override, premium_owners
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
+from carbonforge_runtime.runtime.licensing import LicenseInvalid, keys
+from carbonforge_runtime.runtime.licensing.gate import gate_override, premium_owners
+from carbonforge_runtime.runtime.model_arg import CANNOT_GATE, model_matches, resolve_model
 from carbonforge_runtime.settings import load_settings
 from tests.support import TEST_RECIPES
 from tests.support_licensed_runtime import Signer

@@ -6,12 +6,12 @@ import sys
 import pytest
 
 from carbonforge_runtime.errors import HardwareMismatchError, OverrideError
-from carbonforge_runtime.gpu import GpuSnapshot
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.gpu.hardware import hardware_mismatches
-from carbonforge_runtime.launch.command import ENGINE_MODULE, build_override_plan, build_recipe_plan, flags_in
+from carbonforge_runtime.gpu.types import GpuSnapshot
 from carbonforge_runtime.recipes import load_recipes, parse_hardware, shipped_recipes_dir
-from carbonforge_runtime.serve import ServeOptions, prepare, serve
+from carbonforge_runtime.recipes.hardware import hardware_mismatches
+from carbonforge_runtime.runtime.launch_plan import ENGINE_MODULE, build_override_plan, build_recipe_plan, flags_in
+from carbonforge_runtime.runtime.serve import ServeOptions, prepare, serve
 from carbonforge_runtime.settings import load_settings
 
 RECIPES = load_recipes([shipped_recipes_dir()])
@@ -109,7 +109,7 @@ def test_override_plan_adds_served_name_and_port() -> None:
     plan = build_override_plan(["/models/x", "--max-model-len", "512"], settings, "/models/x")
     assert plan.argv[3:] == ["--model", "/models/x", "--max-model-len", "512", "--served-model-name", "/models/x",
                              "--port", "8123", "--host", "0.0.0.0", "--shutdown-timeout", "30",
-                             "--scheduler-cls", "carbonforge_runtime.scheduler.shim.make_scheduler"]
+                             "--scheduler-cls", "carbonforge_runtime.engine.scheduler.make_scheduler"]
     assert plan.port == 8123
     assert any("CF_MAX_MODEL_LEN is ignored" in note for note in plan.notes)
     given = build_override_plan(["--model", "m", "--served-model-name", "svc", "--port", "9001"], settings, "m")

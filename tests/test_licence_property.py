@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from carbonforge_runtime.licensing import LicenseClaims, LicenseInvalid, verify
-from carbonforge_runtime.licensing.core import CLAIM_FIELDS, b64url_encode
+from carbonforge_runtime.runtime.licensing import LicenseClaims, LicenseInvalid, verify
+from carbonforge_runtime.runtime.licensing.core import CLAIM_FIELDS, b64url_encode
 from tests.support_licensed_runtime import Signer
 
 NOW = 1_780_000_000.0

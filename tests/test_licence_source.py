@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from carbonforge_runtime.licensing import LicenseInvalid, read_license
-from carbonforge_runtime.licensing.cli import show_license
-from carbonforge_runtime.licensing.gate import gate_recipe
+from carbonforge_runtime.cli.license import show_license
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
+from carbonforge_runtime.runtime.licensing import LicenseInvalid, read_license
+from carbonforge_runtime.runtime.licensing.gate import gate_recipe
 from carbonforge_runtime.settings import load_settings
 from tests.support import TEST_RECIPES
 from tests.support_licensed_runtime import Signer

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from carbonforge_runtime.errors import LicenseError
-from carbonforge_runtime.licensing import (
+from carbonforge_runtime.runtime.licensing import (
     CLOCK_SKEW_S,
     MAX_LICENSE_CHARS,
     MAX_TERM_DAYS,
@@ -19,7 +19,7 @@ from carbonforge_runtime.licensing import (
     public_keys,
     verify,
 )
-from carbonforge_runtime.licensing.core import b64url_decode, b64url_encode
+from carbonforge_runtime.runtime.licensing.core import b64url_decode, b64url_encode
 from tests.support_licensed_runtime import Signer
 
 NOW = 1_780_000_000.0  # a fixed "now": verification is a pure function of (text, keys, now)
@@ -222,7 +222,7 @@ def test_simple_garbage_each_has_its_own_message(signer: Signer, licence: str) -
 
 
 def test_oversize_is_refused_before_decoding(signer: Signer, monkeypatch: pytest.MonkeyPatch) -> None:
-    from carbonforge_runtime.licensing import core as module
+    from carbonforge_runtime.runtime.licensing import core as module
 
     def no_decoding(text: str) -> bytes:
         raise AssertionError("decoded an oversized licence")
@@ -298,7 +298,7 @@ def no_network(*args, **kwargs):
     raise AssertionError("network used")
 for name in ("socket", "create_connection", "getaddrinfo", "gethostbyname", "socketpair"):
     setattr(socket, name, no_network)
-from carbonforge_runtime.licensing import verify, LicenseInvalid
+from carbonforge_runtime.runtime.licensing import verify, LicenseInvalid
 table = {sys.argv[2]: bytes.fromhex(sys.argv[3])}
 claims = verify(sys.argv[1], table, float(sys.argv[4]))
 try:

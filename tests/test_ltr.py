@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime.cli import app
-from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.replay.workloads import templated, tokenizer_counter
-from carbonforge_runtime.scheduler.ltr import (
+from carbonforge_runtime.cli.main import app
+from carbonforge_runtime.core.ordering.base import WaitingRequest
+from carbonforge_runtime.core.ordering.ltr import (
     PREFIX_HASH_TOKENS,
     Example,
     LtrModel,
@@ -25,8 +24,10 @@ from carbonforge_runtime.scheduler.ltr import (
     kendall_tau_b,
     prefix_hash,
 )
-from carbonforge_runtime.scheduler.ltr_cli import load_tokenize
-from carbonforge_runtime.scheduler.policy import WaitingRequest, make_family
+from carbonforge_runtime.core.ordering.registry import make_family
+from carbonforge_runtime.errors import UsageError
+from carbonforge_runtime.offline.ltr_fit import load_tokenize
+from carbonforge_runtime.offline.replay.workloads import templated, tokenizer_counter
 
 
 def brute_tau_b(a: list[float], b: list[float]) -> float:
@@ -133,7 +134,7 @@ def test_bad_model_params_are_usage_errors() -> None:
 
 
 def test_the_offline_prefix_hash_is_the_engines() -> None:
-    from carbonforge_runtime.scheduler import shim
+    from carbonforge_runtime.engine import scheduler as shim
 
     rng = random.Random(2)
     assert shim.PREFIX_HASH_TOKENS == PREFIX_HASH_TOKENS

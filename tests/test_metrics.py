@@ -16,26 +16,25 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from carbonforge_runtime.energy.controller import Controller
-from carbonforge_runtime.energy.meter import ENERGY_KEY
-from carbonforge_runtime.energy.policy import Signals, parse_params
-from carbonforge_runtime.errors import CarbonForgeError
-from carbonforge_runtime.gpu.fake import FakeGpuBackend, FakeGpuSession, host
-from carbonforge_runtime.metrics import runtime as metrics_runtime
-from carbonforge_runtime.metrics.exposition import exposition, make_registry
-from carbonforge_runtime.metrics.feed import (
-    FEED_KEY,
+from carbonforge_runtime.core.contract import EngineContract
+from carbonforge_runtime.core.energy_policy import Signals, parse_params
+from carbonforge_runtime.core.feed_protocol import (
+    EngineCounters,
     EngineState,
-    FeedReceiver,
-    FeedSink,
     RequestSample,
     encode_counters,
     encode_records,
 )
-from carbonforge_runtime.metrics.runtime import Needs, start_observability
-from carbonforge_runtime.metrics.state import Info, RuntimeState
-from carbonforge_runtime.scheduler.config import CONFIG_ENV, ShimConfig
-from carbonforge_runtime.serve import ServeOptions, prepare
+from carbonforge_runtime.engine.metrics_feed import FeedSink
+from carbonforge_runtime.errors import CarbonForgeError
+from carbonforge_runtime.gpu.fake import FakeGpuBackend, FakeGpuSession, host
+from carbonforge_runtime.runtime import observability as metrics_runtime
+from carbonforge_runtime.runtime.energy.controller import Controller
+from carbonforge_runtime.runtime.metrics.exposition import exposition, make_registry
+from carbonforge_runtime.runtime.metrics.receiver import FeedReceiver
+from carbonforge_runtime.runtime.metrics.state import Info, RuntimeState
+from carbonforge_runtime.runtime.observability import Needs, start_observability
+from carbonforge_runtime.runtime.serve import ServeOptions, prepare
 from carbonforge_runtime.settings import load_settings
 from tests.support import TINY_KEY, free_port
 
@@ -75,8 +74,8 @@ def populated_state() -> RuntimeState:
                       "premium", 1_900_000_000.0)
     state.on_records([sample() for _ in range(5)] + [sample("ltr-promptlen", "length", ttft=None, e2e=12.0)] * 2
                      + [sample(reason="abort", ttft=None, energy=None)])
-    state.on_engine_state(EngineState(steps=40, waiting=2, running=3, tokens_scheduled_total=900,
-                                      requests_arrived_total=13, requests_completed_total=8,
+    state.on_engine_state(EngineState(EngineCounters(steps=40, waiting=2, running=3, tokens_scheduled_total=900,
+                                                     requests_arrived_total=13, requests_completed_total=8),
                                       sinks={"file": (8, 0), "otlp": (5, 3), "queue": (0, 1)}))
     fake = FakeGpuSession("h100", count=2, power_w=310.0)
     gpus = fake.open()
@@ -142,17 +141,17 @@ def test_lost_and_malformed_messages_are_counted() -> None:
     states: list[EngineState] = []
     receiver = FeedReceiver.__new__(FeedReceiver)  # handle() decodes; no socket is needed to test it
     receiver.on_records, receiver.on_state, receiver.log = got.extend, states.append, LOG
-    from carbonforge_runtime.metrics.feed import ReceiverStats
+    from carbonforge_runtime.runtime.metrics.receiver import ReceiverStats
 
     receiver.stats, receiver._last_seq = ReceiverStats(), {}
     record = {"scheduler_family": "fcfs", "finish_reason": "stop", "queue_wait_s": 0.1, "ttft_s": None,
               "e2e_latency_s": 1.0, "prompt_tokens": 3, "output_tokens": 0, "energy_j": None, "prompt_text": "x"}
     receiver.handle(encode_records("a", 1, [record]))
     receiver.handle(encode_records("a", 2, [record, record]))
-    receiver.handle(encode_counters("a", 5, {"waiting": 4}, {}))  # 3 and 4 never arrived
+    receiver.handle(encode_counters("a", 5, EngineCounters(waiting=4), {}))  # 3 and 4 never arrived
     receiver.handle(encode_records("b", 1, [record]))  # another sender starts its own count
     receiver.handle(b"not json")
-    assert len(got) == 4 and states[0].waiting == 4
+    assert len(got) == 4 and states[0].counters.waiting == 4
     assert receiver.stats.lost == 2 and receiver.stats.malformed == 1 and receiver.stats.messages == 4
 
 
@@ -232,10 +231,11 @@ def test_metrics_endpoint_lives_between_start_and_close(tmp_path: Path) -> None:
         assert found["carbonforge_runtime_info"][0][0]["context_key"] == TINY_KEY
         assert found["carbonforge_licence_info"][0][0] == {"plan": "free"}
         assert "carbonforge_gpu_power_watts" not in found  # no NVML here
-        shim = ShimConfig.from_json(obs.engine_env(prepared.plan.env)[CONFIG_ENV])
-        assert shim.trace is not None and shim.trace.file is None and shim.trace.level == "standard"
-        feed_path = shim.trace.extra[FEED_KEY]["socket"]
-        assert os.path.exists(feed_path) and ENERGY_KEY not in shim.trace.extra
+        contract = EngineContract.from_environ(prepared.plan.engine_env(obs.engine_contract(prepared.plan.contract)))
+        # metrics without tracing: the contract names the feed, and no trace part
+        assert contract.tracing is None and contract.metrics_feed is not None
+        feed_path = contract.metrics_feed.socket
+        assert os.path.exists(feed_path) and contract.energy_meter is None
         assert oct(os.stat(os.path.dirname(feed_path)).st_mode & 0o777) == "0o700"
     finally:
         obs.close()

@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
-from carbonforge_runtime.replay.plan import PlanOptions, build_plan
-from carbonforge_runtime.replay.runner import RunOptions, run_replay
-from carbonforge_runtime.replay.trace import load_recording
-from carbonforge_runtime.replay.workloads import window
+from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
+from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
+from carbonforge_runtime.offline.replay.trace import load_recording
+from carbonforge_runtime.offline.replay.workloads import window
 from tests.support import TINY_SERVED_NAME, RuntimeProcess
 
 pytestmark = pytest.mark.engine
@@ -185,7 +185,7 @@ def test_fcfs_serves_in_arrival_order_and_the_replay_matches_the_runtime_trace(e
     assert spread[180] < 0.25, detail
     assert spread[-1] < 1.0, detail
     arrival_rank = sorted(range(200), key=lambda i: pairs[i][1]["t_arrival"])
-    from carbonforge_runtime.scheduler.ltr import kendall_tau_b
+    from carbonforge_runtime.core.ordering.ltr import kendall_tau_b
 
     assert kendall_tau_b(list(range(200)), [arrival_rank.index(i) for i in range(200)]) > 0.99, detail
     print(detail)

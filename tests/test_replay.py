@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime.cli import app
-from carbonforge_runtime.replay.plan import PlanOptions, build_plan
-from carbonforge_runtime.replay.runner import TRUE_OUTPUT_TOKENS_ARG, RunOptions, run_replay
-from carbonforge_runtime.replay.summary import RequestOutcome, percentile, summarize
-from carbonforge_runtime.replay.trace import ReplayError, load_recording
-from carbonforge_runtime.replay.workloads import prefill_heavy, templated, window
+from carbonforge_runtime.cli.main import app
+from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
+from carbonforge_runtime.offline.replay.runner import TRUE_OUTPUT_TOKENS_ARG, RunOptions, run_replay
+from carbonforge_runtime.offline.replay.summary import RequestOutcome, percentile, summarize
+from carbonforge_runtime.offline.replay.trace import ReplayError, load_recording
+from carbonforge_runtime.offline.replay.workloads import prefill_heavy, templated, window
+from carbonforge_runtime.offline.trace_reader import TraceInputError
 
 AZURE = Path("/work/shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv")
 AZURE_HEAD = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -74,7 +75,6 @@ def test_jsonl_standard_and_full_levels(tmp_path: Path) -> None:
     ("negative.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n1,-5,3\n", ":2: ContextTokens=-5"),
     ("words.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,3\n", "TIMESTAMP"),
     ("empty.jsonl", "\n\n", "empty"),
-    ("notjson.jsonl", "{nope\n", ":1: is not JSON"),
     ("fields.jsonl", '{"t_arrival": 1, "prompt_tokens": 3}\n', r"lacks the field\(s\) output_tokens"),
     ("bad.jsonl", '{"t_arrival": "soon", "prompt_tokens": 3, "output_tokens": 1}\n', "t_arrival"),
 ])
@@ -84,9 +84,13 @@ def test_nonsense_traces_are_refused_clearly(tmp_path: Path, name: str, text: st
     assert exc.value.remedy
 
 
-def test_missing_trace_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ReplayError, match="does not exist"):
+def test_unreadable_traces_are_refused_by_the_shared_reader(tmp_path: Path) -> None:
+    with pytest.raises(TraceInputError, match="does not exist"):
         load_recording(tmp_path / "nope.jsonl")
+    with pytest.raises(TraceInputError, match=":2: is not JSON") as exc:
+        good = '{"t_arrival": 1, "prompt_tokens": 3, "output_tokens": 1}'
+        load_recording(write(tmp_path / "notjson.jsonl", good + "\n{nope\n"))
+    assert exc.value.remedy and exc.value.exit_code == 1
 
 
 def test_plan_scales_time_and_tokens_and_generates_exact_prompts(tmp_path: Path) -> None:
@@ -123,7 +127,8 @@ def test_nonsense_options_are_refused(tmp_path: Path, options: PlanOptions, mess
 
 
 def test_summary_percentiles_and_failures() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0  # nearest rank: the 2nd of 4
+    assert percentile([1.0, 2.0, 3.0, 4.0], 51) == 3.0
     assert percentile([5.0], 99) == 5.0
     outcomes = [RequestOutcome(i, 0.0, sent_s=float(i), done_s=float(i) + 1 + i, output_tokens=10) for i in range(4)]
     outcomes.append(RequestOutcome(9, 1.0, sent_s=1.2, error="http 500: boom"))

@@ -18,11 +18,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, Ordering, TraceConfig
+from carbonforge_runtime.core.ordering import registry as policy
+from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
 from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.scheduler import policy
-from carbonforge_runtime.scheduler.config import CONFIG_ENV, ShimConfig
-from carbonforge_runtime.scheduler.policy import Family, WaitingRequest
-from carbonforge_runtime.tracing.config import TraceConfig
 
 BLOCK = 16
 
@@ -59,7 +58,7 @@ class Engine:
     """A scheduler plus a fake model that samples ``token`` for every scheduled request."""
 
     def __init__(self, parts: dict[str, Any], max_num_seqs: int, async_scheduling: bool = False) -> None:
-        from carbonforge_runtime.scheduler.shim import make_scheduler
+        from carbonforge_runtime.engine.scheduler import make_scheduler
 
         config, kv, som = parts["build"](max_num_seqs, async_scheduling)
         self.hasher = parts["hasher"]
@@ -101,7 +100,7 @@ class Engine:
 def configure(monkeypatch: pytest.MonkeyPatch, path: Path | None, level: str = "standard", family: str = "fcfs",
               params: Mapping[str, Any] | None = None) -> None:
     trace = TraceConfig(level=level, file=str(path), flush_timeout_s=5.0) if path else None
-    monkeypatch.setenv(CONFIG_ENV, ShimConfig(family, dict(params or {}), trace).to_json())
+    monkeypatch.setenv(CONTRACT_ENV, EngineContract(Ordering(family, dict(params or {})), trace).to_json())
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -199,7 +198,7 @@ def shortest_first(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ShortestFir
     factories: dict[str, Callable[[Mapping[str, Any]], Family]] = dict(policy.FAMILIES)
     factories["shortest-first"] = factory
     monkeypatch.setattr(policy, "FAMILIES", factories)
-    import carbonforge_runtime.scheduler.shim as shim
+    import carbonforge_runtime.engine.scheduler as shim
 
     monkeypatch.setattr(shim, "make_family", policy.make_family)
     yield made
@@ -212,7 +211,7 @@ def test_a_reordering_family_orders_admission_and_records_its_score(
     path = tmp_path / "t.jsonl"
     configure(monkeypatch, path, family="shortest-first")
     engine = Engine(vllm_parts, max_num_seqs=1)
-    from carbonforge_runtime.scheduler.shim import ScoredQueue
+    from carbonforge_runtime.engine.scheduler import ScoredQueue
 
     assert isinstance(engine.scheduler.waiting, ScoredQueue)
     now = time.time()

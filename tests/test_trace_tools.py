@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from carbonforge_runtime import cli
-from carbonforge_runtime.traces.sessions import output_variants, reconstruct
-from carbonforge_runtime.traces.sketch import ALPHA, MIN_VALUE, QuantileSketch
-from carbonforge_runtime.traces.summary import Summarizer, parse_window
+from carbonforge_runtime.cli import main as cli
+from carbonforge_runtime.offline.trace_tools.sessions import output_variants, reconstruct
+from carbonforge_runtime.offline.trace_tools.sketch import ALPHA, MIN_VALUE, QuantileSketch
+from carbonforge_runtime.offline.trace_tools.summary import Summarizer, parse_window
 
 runner = CliRunner()
 T0 = 1_789_038_000.0  # a whole hour, so windows start at phase boundaries
@@ -33,9 +33,10 @@ def invoke(*args: str) -> Any:
 
 
 def lower_quantile(values: Sequence[float], q: float) -> float:
-    """Reference: the value of 0-based rank floor(q * (n - 1)) of the sorted values."""
+    """Reference, written out independently: the nearest-rank quantile, the value of 1-based rank
+    ceil(q * n) of the sorted values."""
     ordered = sorted(values)
-    return ordered[math.floor(q * (len(ordered) - 1))]
+    return ordered[max(math.ceil(round(q * len(ordered), 9)), 1) - 1]
 
 
 def within_bound(estimate: float | None, exact: float) -> bool:
@@ -172,7 +173,7 @@ def test_summarize_gzip_and_plain_give_the_same_figures(tmp_path: Path) -> None:
 
 def test_standard_library_parser_gives_the_same_summary_and_bad_lines(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from carbonforge_runtime.traces import summary as summary_mod
+    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
 
     lines = [json.dumps(r) for r in synthetic_trace(500)]
     lines[10] = "{broken"

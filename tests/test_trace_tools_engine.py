@@ -21,8 +21,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime import cli
-from carbonforge_runtime.traces.sketch import ALPHA, MIN_VALUE
+from carbonforge_runtime.cli import main as cli
+from carbonforge_runtime.offline.trace_tools.sketch import ALPHA, MIN_VALUE
 from tests.burst import send_burst
 from tests.support import TEST_RECIPES, TINY_SERVED_NAME, RuntimeProcess
 
@@ -47,8 +47,9 @@ runner = CliRunner()
 
 
 def lower_quantile(values: list[float], q: float) -> float:
+    """The nearest-rank quantile: the value of 1-based rank ceil(q * n) of the sorted values."""
     ordered = sorted(values)
-    return ordered[math.floor(q * (len(ordered) - 1))]
+    return ordered[max(math.ceil(round(q * len(ordered), 9)), 1) - 1]
 
 
 def within_bound(estimate: float, exact: float) -> bool:

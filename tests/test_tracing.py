@@ -17,11 +17,8 @@ from typing import Any
 
 import pytest
 
-from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.scheduler.config import CONFIG_ENV, ShimConfig
-from carbonforge_runtime.tracing import config as trace_config
-from carbonforge_runtime.tracing.config import TraceConfig, otlp_target, resolve_trace_options
-from carbonforge_runtime.tracing.record import (
+from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, Ordering, TraceConfig
+from carbonforge_runtime.core.trace_record import (
     EXTRA_FIELDS,
     FULL_FIELDS,
     STANDARD_FIELDS,
@@ -29,16 +26,19 @@ from carbonforge_runtime.tracing.record import (
     build_record,
     client_request_id,
 )
-from carbonforge_runtime.tracing.sinks import (
+from carbonforge_runtime.engine.trace_sinks import (
     JsonlSink,
     OtlpSink,
     PermanentSinkError,
     SinkError,
     build_sinks,
-    create_trace_file,
     span_attributes,
 )
-from carbonforge_runtime.tracing.writer import TraceWriter
+from carbonforge_runtime.engine.trace_writer import TraceWriter
+from carbonforge_runtime.errors import UsageError
+from carbonforge_runtime.runtime import trace_options as trace_config
+from carbonforge_runtime.runtime.serve import create_trace_file
+from carbonforge_runtime.runtime.trace_options import otlp_target, resolve_trace_options
 from tests.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,25 +206,25 @@ def test_missing_otel_sdk_is_a_warning_at_start(monkeypatch: pytest.MonkeyPatch)
     assert trace_config.otlp_sdk_missing() == []  # installed in this environment
 
 
-def test_shim_config_round_trips_through_the_environment() -> None:
+def test_engine_contract_round_trips_through_the_environment() -> None:
     trace = resolve_trace_options("full", "/tmp/t.jsonl", "http://c:4318", "otlp", {}).config
-    shim = ShimConfig("ltr-promptlen", {"aging_rate": 5.0}, trace)
-    env = shim.env()
-    assert list(env) == [CONFIG_ENV]
-    assert ShimConfig.from_environ(env) == shim
-    assert ShimConfig.from_environ({}) == ShimConfig()
+    contract = EngineContract(Ordering("ltr-promptlen", {"aging_rate": 5.0}), trace)
+    env = contract.env()
+    assert list(env) == [CONTRACT_ENV]
+    assert EngineContract.from_environ(env) == contract
+    assert EngineContract.from_environ({}) == EngineContract()
     with pytest.raises(UsageError):
-        ShimConfig.from_json("{not json")
+        EngineContract.from_json("{not json")
 
 
-def test_tracing_package_never_imports_vllm() -> None:
-    for path in (REPO / "carbonforge_runtime" / "tracing").glob("*.py"):
+def test_trace_writer_and_sinks_never_import_vllm() -> None:
+    for path in [REPO / "carbonforge_runtime" / "engine" / n for n in ("trace_writer.py", "trace_sinks.py")]:
         tree = ast.parse(path.read_text())
         names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
         names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
         assert not [n for n in names if n == "vllm" or n.startswith("vllm.")], path
-    code = ("import sys; import carbonforge_runtime.tracing.writer, carbonforge_runtime.tracing.sinks, "
-            "carbonforge_runtime.scheduler.policy, carbonforge_runtime.scheduler.config; "
+    code = ("import sys; import carbonforge_runtime.engine.trace_writer, carbonforge_runtime.engine.trace_sinks, "
+            "carbonforge_runtime.core.ordering.registry, carbonforge_runtime.core.contract; "
             "assert 'vllm' not in sys.modules")
     assert os.spawnv(os.P_WAIT, sys.executable, [sys.executable, "-c", code]) == 0
 
@@ -434,7 +434,7 @@ def test_permanent_failures_drop_at_once_and_are_reported(caplog: pytest.LogCapt
 def test_once_hurried_each_record_is_written_at_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from carbonforge_runtime.tracing import writer as writer_module
+    from carbonforge_runtime.engine import trace_writer as writer_module
 
     monkeypatch.setattr(writer_module, "POLL_INTERVAL_S", 30.0)  # batching would take 30 s
     sink = MemorySink("file")

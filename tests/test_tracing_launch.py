@@ -8,19 +8,20 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime import cli
 from carbonforge_runtime import log as cflog
+from carbonforge_runtime.cli import main as cli
+from carbonforge_runtime.core.contract import CONTRACT_ENV, SCHEDULER_CLS
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.launch.command import flags_in
-from carbonforge_runtime.scheduler.config import CONFIG_ENV, SCHEDULER_CLS
-from carbonforge_runtime.serve import ServeOptions, _create_trace_file, describe_plan, prepare
+from carbonforge_runtime.runtime.launch_plan import LaunchPlan, flags_in
+from carbonforge_runtime.runtime.serve import ServeOptions, _create_trace_file, describe_prepared, prepare
+from carbonforge_runtime.runtime.trace_options import TraceConfig
 from carbonforge_runtime.settings import load_settings
-from carbonforge_runtime.tracing.config import TraceConfig
 from tests.support import TINY_KEY
 
 
@@ -50,8 +51,10 @@ def prepared(options: ServeOptions, environ: dict[str, str] | None = None):  # t
     return prepare(options, load_settings(env), env, FakeGpuBackend(host("l4")))
 
 
-def engine_config(plan_env: dict[str, str]) -> dict[str, object]:
-    return json.loads(plan_env[CONFIG_ENV])
+def engine_config(plan: LaunchPlan) -> dict[str, Any]:
+    """The engine contract as the engine process would receive it."""
+    data: dict[str, Any] = json.loads(plan.engine_env()[CONTRACT_ENV])
+    return data
 
 
 def test_recipe_mode_loads_the_shim_with_family_and_trace(tmp_path: Path, runtime_log: Lines) -> None:
@@ -59,12 +62,12 @@ def test_recipe_mode_loads_the_shim_with_family_and_trace(tmp_path: Path, runtim
     ready = prepared(ServeOptions(context_key=TINY_KEY, request_trace="standard", trace_file=str(trace)))
     plan = ready.plan
     assert flags_in(plan.argv)["--scheduler-cls"] == SCHEDULER_CLS
-    config = engine_config(plan.env)
-    assert config["family"] == "fcfs"
-    assert isinstance(config["trace"], dict)
-    assert config["trace"]["level"] == "standard" and config["trace"]["file"] == str(trace)
+    config = engine_config(plan)
+    assert config["ordering"]["family"] == "fcfs"
+    assert isinstance(config["tracing"], dict)
+    assert config["tracing"]["level"] == "standard" and config["tracing"]["file"] == str(trace)
     assert not trace.exists()  # preparing creates nothing; serve() creates the file before launch
-    assert "request trace:      standard -> file " + str(trace) in describe_plan(ready, ServeOptions())
+    assert "request trace:      standard -> file " + str(trace) in describe_prepared(ready, ServeOptions(), {})
     assert [line for line in runtime_log.lines if "trace" in line.lower()] == [
         f"request trace: standard -> file {trace}"]
 
@@ -75,9 +78,9 @@ def test_override_mode_traces_with_the_fcfs_family(tmp_path: Path) -> None:
                                   vllm_args=["/models/tiny", "--dtype", "bfloat16"]))
     assert ready.plan.mode == "override"
     assert flags_in(ready.plan.argv)["--scheduler-cls"] == SCHEDULER_CLS
-    config = engine_config(ready.plan.env)
-    assert config["family"] == "fcfs"
-    assert config["trace"]["otlp"] == {"endpoint": "http://collector:4318/v1/traces", "protocol": "http/protobuf"}
+    config = engine_config(ready.plan)
+    assert config["ordering"]["family"] == "fcfs"
+    assert config["tracing"]["otlp"] == {"endpoint": "http://collector:4318/v1/traces", "protocol": "http/protobuf"}
 
 
 def test_sink_without_level_fails_before_launch(tmp_path: Path) -> None:
@@ -96,7 +99,7 @@ def test_level_without_sink_warns_once_and_traces_nothing(runtime_log: Lines) ->
     ready = prepared(ServeOptions(context_key=TINY_KEY, request_trace="full"))
     warnings = [line for line in runtime_log.lines if "no sink" in line]
     assert len(warnings) == 1 and "tracing stays off" in warnings[0]
-    assert engine_config(ready.plan.env)["trace"] is None
+    assert engine_config(ready.plan)["tracing"] is None
     assert not [line for line in runtime_log.lines if "REQUEST TRACE LEVEL full" in line]
 
 
@@ -120,7 +123,8 @@ def test_another_scheduler_class_replaces_ours(tmp_path: Path) -> None:
     args = ["/models/tiny", "--scheduler-cls", "my.Scheduler"]
     ready = prepared(ServeOptions(vllm_args=args))
     assert flags_in(ready.plan.argv)["--scheduler-cls"] == "my.Scheduler"
-    assert ready.plan.argv.count("--scheduler-cls") == 1 and CONFIG_ENV not in ready.plan.env
+    assert ready.plan.argv.count("--scheduler-cls") == 1 and ready.plan.contract is None
+    assert CONTRACT_ENV not in ready.plan.engine_env()
     assert any("not loaded" in note for note in ready.plan.notes)
     with pytest.raises(UsageError, match="replaces it"):
         prepared(ServeOptions(vllm_args=args, request_trace="standard", trace_file=str(tmp_path / "t")))

@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from carbonforge_runtime.gpu import GpuDevice, GpuError, GpuProcess, GpuSnapshot
-from carbonforge_runtime.gpu.control import GpuId, GpuLimits, GpuReading
+from carbonforge_runtime.gpu.types import GpuDevice, GpuError, GpuId, GpuLimits, GpuProcess, GpuReading, GpuSnapshot
 
 _MODELS = {
     # name, total MiB, compute capability
@@ -109,7 +108,7 @@ class _FakeGpuState:
 
 
 class FakeGpuSession:
-    """A :class:`carbonforge_runtime.gpu.control.GpuSession` without a driver.
+    """A :class:`carbonforge_runtime.gpu.select.GpuSession` without a driver.
 
     Scriptable: the power draw over time (a constant, or ``[(seconds_from_origin, watts), ...]``
     steps) drives a cumulative energy counter that, like the real one, only moves every

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from carbonforge_runtime.gpu import GpuDevice, GpuError, GpuProcess, GpuSnapshot
-from carbonforge_runtime.gpu.control import GpuId, GpuLimits, GpuReading
+from carbonforge_runtime.gpu.types import GpuDevice, GpuError, GpuId, GpuLimits, GpuProcess, GpuReading, GpuSnapshot
 
 NO_DRIVER_REASON = "NVML could not be loaded: no NVIDIA driver is visible to this process"
 
@@ -127,7 +126,7 @@ def _mw_to_w(value: Any) -> float:
 
 
 class NvmlSession:
-    """Telemetry and control of the GPUs (see :class:`carbonforge_runtime.gpu.control.GpuSession`).
+    """Telemetry and control of the GPUs (see :class:`carbonforge_runtime.gpu.select.GpuSession`).
 
     Reads need no privilege; the three set calls need root or CAP_SYS_ADMIN and raise
     ``GpuError("no-permission")`` otherwise. NVML is thread-safe, so one session may serve the

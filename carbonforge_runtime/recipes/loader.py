@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import yaml
@@ -58,7 +58,7 @@ def load_recipes(directories: Iterable[Path]) -> dict[str, Recipe]:
 
 def _refuse_benchmark_only_family(recipe: Recipe, path: Path) -> None:
     """A shipped recipe must not name a benchmark-only scheduler family (``oracle``)."""
-    from carbonforge_runtime.scheduler.families import BENCHMARK_ONLY
+    from carbonforge_runtime.core.ordering.families import BENCHMARK_ONLY
 
     if recipe.scheduler.family in BENCHMARK_ONLY:
         raise RecipeError(
@@ -76,7 +76,7 @@ def recipe_dirs(extra_dir: str | None) -> list[Path]:
     return dirs
 
 
-def resolve(key_text: str, recipes: dict[str, Recipe]) -> Recipe:
+def resolve(key_text: str, recipes: Mapping[str, Recipe]) -> Recipe:
     key = parse_context_key(key_text)
     normalised = str(key)
     if normalised in recipes:

@@ -18,7 +18,7 @@ if os.environ.get("CF_BENCH_SWITCH"):
     from pathlib import Path
     from typing import Any
 
-    from carbonforge_runtime.scheduler import policy
+    from carbonforge_runtime.core.ordering import registry as policy
 
     class BenchSwitch:
         """Delegates to the family named in the control file (checked at most every 0.1 s)."""

@@ -1,0 +1,203 @@
+"""The command line. Thin: parse, build settings, call one function, map errors to exit codes.
+
+Launch modes (see README): no arguments runs the doctor (or serves CF_CONTEXT_KEY when set);
+arguments that are not a subcommand are a serve command line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import typer
+
+from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
+from carbonforge_runtime import log as cflog
+from carbonforge_runtime.cli.errors import run_guarded
+from carbonforge_runtime.cli.ltr import ltr_app
+from carbonforge_runtime.cli.replay import replay_command
+from carbonforge_runtime.cli.trace import trace_app
+from carbonforge_runtime.gpu.select import default_backend
+from carbonforge_runtime.gpu.types import GpuBackend
+from carbonforge_runtime.settings import Settings, load_settings
+
+app = typer.Typer(
+    name="carbonforge-runtime",
+    help="Serve benchmarked vLLM recipes by context key, diagnose the host, and trace every request.",
+    add_completion=False,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+recipes_app = typer.Typer(help="List and inspect the recipes this runtime knows.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+app.add_typer(ltr_app, name="ltr")
+app.command("replay")(replay_command)
+app.add_typer(trace_app, name="trace")
+from carbonforge_runtime.cli.license import license_app  # noqa: E402
+
+app.add_typer(license_app, name="license")
+
+def gpu_backend() -> GpuBackend:
+    """The GPU backend commands use; tests replace this function."""
+    return default_backend()
+
+
+def _settings() -> Settings:
+    return load_settings(os.environ)
+
+
+_guard = run_guarded
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"carbonforge-runtime {__version__} (vLLM pinned to {PINNED_VLLM_VERSION})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", "-V", callback=_version_callback, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Serve benchmarked vLLM recipes by context key, diagnose the host, and trace every request."""
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
+    epilog="Arguments after -- go to vLLM: appended to the recipe's with --context-key, "
+    "or as the whole vLLM command line without it.",
+)
+def serve(
+    ctx: typer.Context,
+    context_key: str | None = typer.Option(None, "--context-key",
+                                           help="Recipe to serve: model:quant:workload:hardware."),
+    strict_hardware: bool = typer.Option(False, "--strict-hardware",
+                                         help="Refuse to start when the GPUs do not match the key's hardware."),
+    request_trace: str = typer.Option("off", "--request-trace", help="Trace level: off, standard or full."),
+    trace_file: str | None = typer.Option(None, "--trace-file", help="Append one JSON line per request here."),
+    trace_endpoint: str | None = typer.Option(None, "--trace-endpoint", help="OTLP collector URL."),
+    trace_format: str | None = typer.Option(None, "--trace-format", help="Format for --trace-endpoint: otlp."),
+    metrics: bool = typer.Option(False, "--metrics",
+                                 help="Serve Prometheus metrics on CF_METRICS_PORT (default 9105)."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="Print the effective configuration and the vLLM command; start nothing."),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight",
+                                        help="Do not run the pre-flight checks (a failing one stops the launch)."),
+) -> None:
+    """Serve a recipe (--context-key) or a vLLM command line given after --."""
+    from carbonforge_runtime.runtime.plan import ServeOptions
+    from carbonforge_runtime.runtime.serve import serve as do_serve
+
+    # The options above are ServeOptions' fields by name: one list of serve flags.
+    options = ServeOptions(**ctx.params, vllm_args=list(ctx.args))
+    code = _guard(lambda: do_serve(options, _settings(), os.environ, gpu_backend()))
+    raise typer.Exit(code)
+
+
+def _serve_flags() -> tuple[str, ...]:
+    """Every flag of ``serve``, read from its definition above."""
+    import typer.main
+
+    command = typer.main.get_command(app)
+    serve_command = command.commands["serve"]  # type: ignore[attr-defined]
+    return tuple(opt for param in serve_command.params if param.param_type_name == "option" for opt in param.opts)
+
+
+#: Runtime flags: an argument list starting with one of these is a runtime command line.
+RUNTIME_FLAGS = _serve_flags()
+
+
+@app.command()
+def doctor(
+    context_key: str | None = typer.Option(None, "--context-key", help="Also check this recipe against the host."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+    metrics: bool = typer.Option(False, "--metrics", help="Also check that the metrics port is free."),
+    trace_file: str | None = typer.Option(None, "--trace-file", help="Also check that this trace file can be written."),
+) -> None:
+    """Diagnose the host: GPUs, recipe fit, licence, tracing, storage, engine. Exit 1 on FAIL.
+
+    Checks the recipe of --context-key, else of CF_CONTEXT_KEY when set.
+    """
+    from carbonforge_runtime.runtime.doctor import DoctorRequest, run_doctor
+
+    def run() -> int:
+        request = DoctorRequest(context_key=context_key, metrics=metrics, trace_file=trace_file)
+        text, code = run_doctor(request, os.environ, gpu_backend(), json_output=json_output)
+        typer.echo(text)
+        return code
+
+    raise typer.Exit(_guard(run))
+
+
+@recipes_app.command("list")
+def recipes_list() -> None:
+    """One line per recipe: key, plan, model, hardware."""
+    from carbonforge_runtime.runtime.serve import load_all_recipes
+
+    def run() -> None:
+        recipes = load_all_recipes(_settings())
+        rows = [("KEY", "PLAN", "MODEL", "HARDWARE")]
+        for key in sorted(recipes):
+            recipe = recipes[key]
+            model = recipe.model.repo + ("" if recipe.model.verified else " (unverified)")
+            rows.append((key, recipe.plan, model, str(recipe.key.hardware)))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        for row in rows:
+            typer.echo("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+
+    _guard(run)
+
+
+@recipes_app.command("show")
+def recipes_show(key: str = typer.Argument(..., help="The context key to show.")) -> None:
+    """The resolved recipe and the exact vLLM command line it runs."""
+    import shlex
+
+    from carbonforge_runtime.runtime.launch_plan import build_recipe_plan
+    from carbonforge_runtime.runtime.serve import load_all_recipes
+
+    def run() -> None:
+        from carbonforge_runtime.recipes import resolve
+
+        settings = _settings()
+        recipe = resolve(key, load_all_recipes(settings))
+        typer.echo(f"# {recipe.source}")
+        typer.echo(recipe.source.read_text(encoding="utf-8").rstrip())
+        model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
+        plan = build_recipe_plan(recipe, settings, [], model_path=model_path)
+        typer.echo("\n# vLLM command")
+        typer.echo(shlex.join(plan.argv))
+
+    _guard(run)
+
+
+def _dispatch(args: list[str], environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """Turn a container command line into the typer command line (the three launch modes)."""
+    logger = cflog.get_logger()
+    if not args:
+        key = environ.get("CF_CONTEXT_KEY", "").strip()
+        return ["serve", "--context-key", key] if key else ["doctor"]
+    if environ.get("CF_CONTEXT_KEY", "").strip():
+        first = args[0]
+        if first not in ("doctor", "recipes", "license", "--help", "-h", "--version", "-V"):
+            logger.info("CF_CONTEXT_KEY is ignored because a command was given; pass --context-key to serve a recipe")
+    first = args[0]
+    # A command registered without an explicit name is named after its function (as typer does it).
+    names = {cmd.name or (cmd.callback.__name__.lower().replace("_", "-") if cmd.callback else None)
+             for cmd in app.registered_commands} | {grp.name for grp in app.registered_groups}
+    if first in names or first in ("--help", "-h", "--version", "-V"):
+        return args
+    if first == "--" or any(first == flag or first.startswith(flag + "=") for flag in RUNTIME_FLAGS):
+        return ["serve", *args]
+    # Not a runtime flag: the whole list is the vLLM command line.
+    return ["serve", "--", *args]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cflog.configure()
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = _dispatch(args, os.environ)
+    app(args=command, prog_name="carbonforge-runtime")

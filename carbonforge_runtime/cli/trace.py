@@ -1,0 +1,117 @@
+"""``carbonforge-runtime trace ...``: reading trace files. Imports stay light until a command runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from carbonforge_runtime.cli.errors import run_guarded
+from carbonforge_runtime.errors import CarbonForgeError
+
+trace_app = typer.Typer(
+    help="Read trace files: capacity-planning summary, conversations, plots.",
+    no_args_is_help=True,
+)
+
+_guard = run_guarded
+
+
+def _summarize(files: list[Path], window_s: float) -> Any:
+    """Stream every file through one summarizer; damaged input is reported on stderr, not raised."""
+    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
+
+    summarizer = summary_mod.Summarizer(window_s)
+    try:
+        for path in files:
+            summarizer.feed_file(path)
+        return summarizer.result()
+    finally:
+        _warn(summary_mod.problem_lines(summarizer.files, summarizer.bad_examples, summarizer.bad_total))
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(line, err=True)
+
+
+@trace_app.command("summarize")
+def summarize(
+    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip), read in order.",
+                                       show_default=False),
+    window: str = typer.Option("60s", "--window", help="Window length for the over-time table (60s, 5m, 1h)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of text."),
+) -> None:
+    """Latency, queueing and throughput figures, per window and per scheduler family, with a verdict."""
+    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
+
+    def run() -> None:
+        window_s = summary_mod.parse_window(window)
+        result = _summarize(files, window_s)
+        if json_output:
+            import json
+
+            typer.echo(json.dumps(result.to_json(), indent=2))
+        else:
+            typer.echo(summary_mod.render_text(result))
+
+    _guard(run)
+
+
+@trace_app.command("sessions")
+def sessions(
+    file: Path = typer.Argument(..., help="A full-level trace file (JSONL, plain or gzip).", show_default=False),
+    output: Path | None = typer.Option(None, "-o", "--output",
+                                       help="Write one JSON line per request: request_id, session_id, turn."),
+    limit: int = typer.Option(50, "--limit", help="Sessions listed (0 = all)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of text."),
+) -> None:
+    """Group the requests of a full-level trace into conversations (growing-prefix rule)."""
+    from carbonforge_runtime.offline.trace_tools import sessions as sessions_mod
+
+    def run() -> None:
+        result = sessions_mod.reconstruct(file)
+        warnings = [f"warning: {file}:{line}: {reason}; line skipped" for line, reason in result.bad_line_examples]
+        if result.bad_lines > len(result.bad_line_examples):
+            warnings.append(f"warning: ... and {result.bad_lines - len(result.bad_line_examples)} more bad lines")
+        if result.damage:
+            warnings.append(f"warning: {file}: {result.damage}")
+        _warn(warnings)
+        if output is not None:
+            try:
+                sessions_mod.write_assignments(result, output)
+            except OSError as exc:
+                raise CarbonForgeError(f"cannot write {output} ({exc.strerror})",
+                                       "choose a writable path for -o") from None
+        if json_output:
+            import json
+
+            typer.echo(json.dumps(result.to_json(), indent=2))
+        else:
+            typer.echo(sessions_mod.render_text(result, limit))
+            if output is not None:
+                typer.echo(f"\ngrouping of {len(result.assignments):,} requests written to {output}")
+
+    _guard(run)
+
+
+@trace_app.command("plot")
+def plot(
+    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip).", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="PNG file to write."),
+    window: str = typer.Option("60s", "--window", help="Window length (60s, 5m, 1h)."),
+) -> None:
+    """Latency and queue-wait percentile bands and the request rate over time, as a PNG (needs matplotlib)."""
+    from carbonforge_runtime.offline.trace_tools import plot as plot_mod
+    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
+
+    def run() -> None:
+        window_s = summary_mod.parse_window(window)
+        plot_mod.load_pyplot()  # fail early, before reading a large file, when matplotlib is missing
+        result = _summarize(files, window_s)
+        names = ", ".join(path.name for path in files)
+        plot_mod.render_png(result, output, f"{names}: {result.records:,} requests")
+        typer.echo(f"wrote {output} ({len(result.windows)} windows of {summary_mod.fmt_window(window_s)})")
+
+    _guard(run)

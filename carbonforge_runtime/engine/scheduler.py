@@ -1,0 +1,460 @@
+"""The scheduler vLLM runs inside its engine-core process (``--scheduler-cls``).
+
+It subclasses the stock V1 scheduler of the pinned vLLM and overrides only public hooks:
+``add_request`` (arrival), ``schedule`` (first admission), ``update_from_output`` (first token,
+normal completion), ``finish_requests`` (aborts and errors), ``has_requests`` and ``shutdown``
+(write every queued record before the engine exits, see :meth:`_CarbonForgeMixin.has_requests`).
+Per step it does a handful of attribute writes plus work proportional to the requests admitted
+or finished in that step; records leave through :class:`~carbonforge_runtime.engine.trace_writer.TraceWriter`,
+which never blocks the loop. A family that reorders replaces ``self.waiting`` with
+:class:`ScoredQueue`.
+
+This is the only module that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from carbonforge_runtime.core.contract import ContractError, EngineContract, TraceConfig, full_level_banner_lines
+from carbonforge_runtime.core.feed_protocol import EngineCounters
+from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
+from carbonforge_runtime.core.ordering.registry import make_family, pick_next
+from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, Decoder, build_record, client_request_id
+from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
+from carbonforge_runtime.engine.metrics_feed import attach as attach_feed
+from carbonforge_runtime.engine.trace_sinks import build_sinks
+from carbonforge_runtime.engine.trace_writer import TraceWriter
+
+#: A child of vLLM's logger, so lines land in vllm.log with vLLM's format.
+log = logging.getLogger("vllm.carbonforge")
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REPETITION: "repetition",
+}
+PREFIX_HASH_TOKENS = 64
+#: Benchmarks only: the true output length a replayer sends (``vllm_xargs``) for the oracle family.
+TRUE_OUTPUT_TOKENS_ARG = "cf_true_output_tokens"
+
+
+class _Live:
+    """What the shim remembers about one request between arrival and completion."""
+
+    __slots__ = ("cached_prompt_tokens", "done", "peek_score", "priority_score", "request",
+                 "t_first_token", "t_scheduled", "waiting")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.t_scheduled: float | None = None
+        self.t_first_token: float | None = None
+        self.cached_prompt_tokens: int | None = None
+        self.peek_score: float | None = None
+        self.priority_score: float | None = None
+        self.waiting: WaitingRequest | None = None
+        self.done = False
+
+
+def prefix_hash(token_ids: Sequence[int] | None) -> int:
+    """Stable across processes (a tuple of ints hashes the same everywhere)."""
+    return hash(tuple(token_ids[:PREFIX_HASH_TOKENS])) if token_ids else 0
+
+
+def waiting_request(request: Request) -> WaitingRequest:
+    """What a family sees of ``request`` (``cached_tokens`` is filled at peek time)."""
+    params = request.sampling_params
+    true_output = None
+    if params is not None and params.extra_args:
+        value = params.extra_args.get(TRUE_OUTPUT_TOKENS_ARG)
+        if isinstance(value, int) and not isinstance(value, bool):
+            true_output = value
+    return WaitingRequest(
+        request_id=client_request_id(request.request_id),
+        arrival_time=request.arrival_time,
+        prompt_tokens=request.num_prompt_tokens,
+        cached_tokens=0,
+        max_tokens=params.max_tokens if params is not None else None,
+        prefix_hash=prefix_hash(request.prompt_token_ids),
+        num_preemptions=request.num_preemptions,
+        true_output_tokens=true_output,
+    )
+
+
+class ScoredQueue(RequestQueue):
+    """vLLM's waiting queue, ordered by a family's score.
+
+    Requests put back at the front (preempted ones, and those the scan skipped this step) are
+    served first, in order, as in vLLM's own queue. The rest are scored at every
+    ``peek_request`` (scores that read the prefix cache are only valid before the peeked
+    request allocates), and ``pop_request`` takes the request the last peek chose.
+    """
+
+    def __init__(
+        self,
+        family: Family,
+        live: dict[str, _Live],
+        cached_tokens_of: Callable[[Request], int],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.family = family
+        self.live = live
+        self.cached_tokens_of = cached_tokens_of
+        #: pick_next's bound on overtaking; a family carries it (from its guard parameters).
+        self.max_overtake_s: float | None = getattr(family, "max_overtake_s", None)
+        #: Past this many waiting requests the prefix cache is not asked (cached_tokens stays 0).
+        self.cache_lookup_limit: int | None = getattr(family, "cache_lookup_limit", None)
+        self.clock = clock
+        self._front: deque[Request] = deque()
+        self._pool: list[Request] = []
+        self._peeked: Request | None = None
+        self._peeked_index = -1
+
+    def _waiting(self, request: Request, look_up_cache: bool) -> WaitingRequest:
+        state = self.live.get(request.request_id)
+        wr = state.waiting if state is not None else None
+        if wr is None:
+            wr = waiting_request(request)
+            if state is not None:
+                state.waiting = wr
+        wr.num_preemptions = request.num_preemptions
+        wr.cached_tokens = self.cached_tokens_of(request) if look_up_cache else 0
+        return wr
+
+    def add_request(self, request: Request) -> None:
+        self._pool.append(request)
+
+    def peek_request(self) -> Request:
+        if self._front:
+            return self._front[0]
+        if not self._pool:
+            raise IndexError("peek from an empty queue")
+        now = self.clock()
+        look_up = self.family.needs_cache_lookup and (
+            self.cache_lookup_limit is None or len(self._pool) <= self.cache_lookup_limit
+        )
+        waiting = [self._waiting(r, look_up) for r in self._pool]
+        scores = []
+        for wr in waiting:
+            score = self.family.score(wr, now)
+            scores.append(float("-inf") if score is None else float(score))
+        index = pick_next(waiting, scores, now, self.max_overtake_s)
+        chosen = self._pool[index]
+        self._peeked, self._peeked_index = chosen, index
+        state = self.live.get(chosen.request_id)
+        if state is not None:
+            state.peek_score = scores[index]
+        return chosen
+
+    def pop_request(self) -> Request:
+        if self._front:
+            return self._front.popleft()
+        if not self._pool:
+            raise IndexError("pop from an empty queue")
+        index = self._peeked_index
+        if not (0 <= index < len(self._pool) and self._pool[index] is self._peeked):
+            self.peek_request()
+            index = self._peeked_index
+        self._peeked, self._peeked_index = None, -1
+        return self._pool.pop(index)
+
+    def prepend_request(self, request: Request) -> None:
+        self._front.appendleft(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self._front.extendleft(requests)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = {id(r) for r in requests}
+        if not gone:
+            return
+        self._front = deque(r for r in self._front if id(r) not in gone)
+        self._pool = [r for r in self._pool if id(r) not in gone]
+        self._peeked, self._peeked_index = None, -1
+
+    def __bool__(self) -> bool:
+        return bool(self._front) or bool(self._pool)
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._pool)
+
+    def __iter__(self) -> Iterator[Request]:
+        yield from self._front
+        yield from self._pool
+
+
+def _decoder(tokenizer: Any) -> Decoder | None:
+    if tokenizer is None:
+        return None
+
+    def decode(token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    return decode
+
+
+class _CarbonForgeMixin:
+    """The hooks, shared by the synchronous and the asynchronous variants."""
+
+    # Attributes of vLLM's Scheduler this mixin uses (declared for the type checker).
+    running: list[Request]
+    waiting: Any
+    kv_holding_waiting: Any
+    finished_req_ids: set[str]
+    kv_cache_manager: Any
+    structured_output_manager: Any
+
+    _cf_writer: TraceWriter | None = None
+    _cf_stopping = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            contract = EngineContract.from_environ(os.environ)
+        except ContractError as exc:
+            log.error("CarbonForge scheduler cannot start: %s; %s", exc.message, exc.remedy)
+            raise
+        self._cf_contract = contract
+        self._cf_family_name = contract.ordering.family
+        self._cf_family: Family = make_family(contract.ordering.family, contract.ordering.params)
+        self._cf_live: dict[str, _Live] = {}
+        self._cf_pending_first: list[_Live] = []
+        self._cf_writer: TraceWriter | None = None
+        self._cf_energy: EnergyMeter | None = None  # energy_j per request (only with NVML)
+        self._cf_counters = EngineCounters()
+        self._cf_full = False
+        self._cf_stopping = False
+        if contract.builds_records:
+            self._cf_writer = self._cf_start_writer(contract)
+            self._cf_counters = self._cf_writer.counters
+            atexit.register(self._cf_close)
+            self._cf_watch_shutdown_signal()
+        # Per-request bookkeeping only when something consumes it.
+        self._cf_track = self._cf_writer is not None or self._cf_family.reorders
+        if self._cf_family.reorders:
+            self.waiting = ScoredQueue(self._cf_family, self._cf_live, self._cf_cached_tokens)
+        base = "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler"
+        trace = contract.tracing
+        log.info(
+            "CarbonForge scheduler on vLLM %s: family %s (%s), request trace %s%s",
+            base, self._cf_family_name,
+            "reorders the waiting queue" if self._cf_family.reorders else "vLLM's order",
+            trace.level if trace else "off",
+            f" to {', '.join(w.sink.name for w in self._cf_writer.workers)}" if self._cf_writer else "",
+        )
+
+    def _cf_start_writer(self, contract: EngineContract) -> TraceWriter:
+        trace = contract.tracing
+        decode = None
+        if trace is not None and trace.full:
+            self._cf_full = True
+            decode = _decoder(getattr(self.structured_output_manager, "tokenizer", None))
+            if decode is None:
+                log.warning("request trace full: the engine has no tokenizer (--skip-tokenizer-init), so "
+                            "prompt_text and output_text are null")
+            log.warning("\n%s", "\n".join("!! " + line for line in full_level_banner_lines(trace)))
+        # Without a trace (the metrics feed alone) records are built at the standard level, and the
+        # writer runs with the default limits.
+        limits = trace if trace is not None else TraceConfig(level=LEVEL_STANDARD)
+        build: Callable[[Any], Any] = functools.partial(
+            build_record, family=self._cf_family_name, level=limits.level, decode=decode
+        )
+        self._cf_energy = start_meter(contract.energy_meter, log)
+        if self._cf_energy is not None:
+            build = self._cf_energy.wrap_build(build)
+        writer = TraceWriter(build_sinks(trace, contract.metrics_feed), build, limits, log).start()
+        attach_feed(writer)  # the runtime's metrics feed, when it asked for one
+        return writer
+
+    def _cf_watch_shutdown_signal(self) -> None:
+        """Learn that the engine is shutting down: wrap the SIGTERM handler vLLM's engine-core
+        process installed (it starts the drain), without changing what it does."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous):
+            return  # no engine-core handler to wrap (e.g. a scheduler built outside vLLM's engine)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._cf_stopping = True
+            if self._cf_writer is not None:
+                self._cf_writer.hurry()
+            previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _cf_cached_tokens(self, request: Request) -> int:
+        if request.num_computed_tokens:
+            return int(request.num_computed_tokens)
+        return int(self.kv_cache_manager.get_computed_blocks(request)[1])
+
+    # --- hooks -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        if self._cf_track and request.request_id not in self._cf_live and not request.is_finished():
+            self._cf_live[request.request_id] = _Live(request)
+        self._cf_counters.requests_arrived_total += 1
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        energy = self._cf_energy
+        if energy is not None:
+            energy.step_started(output, time.monotonic())
+        counters = self._cf_counters
+        counters.steps += 1
+        counters.tokens_scheduled_total += output.total_num_scheduled_tokens
+        counters.running = len(self.running)
+        counters.waiting = len(self.waiting) + len(self.kv_holding_waiting)
+        new_reqs = output.scheduled_new_reqs
+        if self._cf_track and new_reqs:
+            now = time.time()
+            live = self._cf_live
+            for new in new_reqs:
+                state = live.get(new.req_id)
+                if state is not None and state.t_scheduled is None:
+                    state.t_scheduled = now
+                    state.cached_prompt_tokens = new.num_computed_tokens
+                    state.priority_score = state.peek_score
+                    self._cf_pending_first.append(state)
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        energy = self._cf_energy
+        if energy is not None:
+            energy.step_ended(scheduler_output, time.monotonic(), scheduler_output.num_scheduled_tokens,
+                              self.get_num_unfinished_requests() > 0)  # type: ignore[attr-defined]
+        if self._cf_track:
+            now = time.time()
+            pending = self._cf_pending_first
+            if pending:
+                still: list[_Live] = []
+                for state in pending:
+                    if state.done:
+                        continue
+                    if state.request.num_output_tokens > 0:
+                        state.t_first_token = now
+                    else:
+                        still.append(state)
+                self._cf_pending_first = still
+            live = self._cf_live
+            for request_id in self.finished_req_ids:
+                ended: _Live | None = live.pop(request_id, None)
+                if ended is not None:
+                    self._cf_complete(ended, now)
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        finished: list[Request] = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        if self._cf_track and finished:
+            now = time.time()
+            live = self._cf_live
+            for request in finished:
+                state: _Live | None = live.pop(request.request_id, None)
+                if state is not None:
+                    self._cf_complete(state, now)
+        return finished
+
+    def has_requests(self) -> bool:
+        """vLLM's answer; and once a shutdown was signalled and the last request is done, first
+        write every queued record (bounded by the flush timeout).
+
+        The engine leaves its loop when this is False, resets SIGTERM to the default action and
+        tears down; the API server's second SIGTERM can end the process before ``shutdown()``
+        runs, so the flush happens here, while the engine is still in its loop with no work left.
+        """
+        if super().has_requests():  # type: ignore[misc]
+            return True
+        if self._cf_stopping and self._cf_writer is not None:
+            self._cf_close()
+        return False
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[misc]
+        finally:
+            self._cf_close()
+
+    # --- completion ----------------------------------------------------------------------------
+
+    def _cf_complete(self, state: _Live, now: float) -> None:
+        state.done = True
+        request = state.request
+        self._cf_counters.requests_completed_total += 1
+        finish_reason = _FINISH_REASON.get(request.status, "abort")
+        # Only natural ends teach the ranker: an aborted request's length says when the client left.
+        if state.waiting is not None and finish_reason in ("stop", "length"):
+            try:
+                self._cf_family.observe(state.waiting, request.num_output_tokens)
+            except Exception as exc:  # a family's bug must not stop the engine
+                log.warning("scheduler family %s failed to observe a completion: %s",
+                            self._cf_family_name, exc)
+        writer = self._cf_writer
+        if writer is None:
+            return
+        full = self._cf_full
+        params = request.sampling_params
+        writer.submit(Completion(
+            engine_request_id=request.request_id,
+            t_arrival=request.arrival_time,
+            t_scheduled=state.t_scheduled,
+            t_first_token=state.t_first_token,
+            t_completion=now,
+            prompt_tokens=request.num_prompt_tokens,
+            output_tokens=request.num_output_tokens,
+            finish_reason=finish_reason,
+            cached_prompt_tokens=state.cached_prompt_tokens,
+            preemptions=request.num_preemptions,
+            priority_score=state.priority_score,
+            prompt_token_ids=request.prompt_token_ids if full else None,
+            output_token_ids=request.output_token_ids if full else None,
+            skip_special_tokens=params.skip_special_tokens if params is not None else True,
+        ))
+
+    def _cf_close(self) -> None:
+        writer = self._cf_writer
+        if writer is not None:
+            writer.close()
+        if self._cf_energy is not None:
+            self._cf_energy.close()
+
+    @property
+    def cf_counters(self) -> EngineCounters:
+        return self._cf_counters
+
+
+class CarbonForgeScheduler(_CarbonForgeMixin, Scheduler):
+    """On vLLM's synchronous scheduler (CPU, or async scheduling off)."""
+
+
+class CarbonForgeAsyncScheduler(_CarbonForgeMixin, AsyncScheduler):
+    """On vLLM's asynchronous scheduler (the GPU default), so the overlap is kept."""
+
+
+def make_scheduler(*args: Any, **kwargs: Any) -> Scheduler:
+    """What ``--scheduler-cls`` names: the variant matching the engine's async-scheduling setting."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    async_on = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+    cls = CarbonForgeAsyncScheduler if async_on else CarbonForgeScheduler
+    return cls(*args, **kwargs)

@@ -1,0 +1,234 @@
+"""Where records go. Every sink has the same small interface, and :func:`build_sinks` is the one
+place that turns the engine contract into sinks: a new kind of sink is one class and one line.
+
+Sinks are called only from their own writer thread (see ``writer.py``), never on the engine loop.
+A ``write`` either stores the whole batch or raises: :class:`SinkError` for a failure worth
+retrying (the writer backs off and tries again), :class:`PermanentSinkError` for one that no
+retry can fix (the batch is dropped and counted at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from carbonforge_runtime.core.contract import PROTOCOL_GRPC, MetricsFeed, OtlpTarget, TraceConfig
+
+#: The OTLP resource's service name and the name of every span (one span per request).
+SERVICE_NAME = "carbonforge-scheduler"
+SPAN_NAME = "llm_request"
+
+Record = Mapping[str, Any]
+
+
+class SinkError(Exception):
+    """A write failed; a later attempt may succeed."""
+
+
+class PermanentSinkError(SinkError):
+    """A write can never succeed (e.g. a missing library): drop without retrying."""
+
+
+class Sink(Protocol):
+    name: str
+
+    def write(self, records: Sequence[Record]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends one JSON object per line. Reopens the file when it was removed or replaced, and
+    never leaves a partial line behind: a failed append is cut back to where it started."""
+
+    def __init__(self, path: str, private: bool = False) -> None:
+        self.path = path
+        self.name = f"file {path}"
+        self.mode = 0o600 if private else 0o644
+        self._fd: int | None = None
+        self._ident: tuple[int, int] | None = None
+
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, self.mode)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise SinkError(f"{self.path} is not a regular file")
+        self._fd, self._ident = fd, (info.st_dev, info.st_ino)
+        return fd
+
+    def _current_fd(self) -> int:
+        """The open descriptor, if it still names the file at ``path``; else a fresh one."""
+        if self._fd is not None:
+            try:
+                info = os.stat(self.path)
+                if (info.st_dev, info.st_ino) == self._ident:
+                    return self._fd
+            except OSError:
+                pass
+            self._close_fd()
+        return self._open()
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = self._ident = None
+
+    def write(self, records: Sequence[Record]) -> None:
+        blob = "".join(json.dumps(r, ensure_ascii=False, separators=(", ", ": ")) + "\n" for r in records)
+        data = blob.encode("utf-8")
+        try:
+            fd = self._current_fd()
+        except OSError as exc:
+            raise SinkError(f"cannot open {self.path}: {exc.strerror or exc}") from None
+        start = os.fstat(fd).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # cut back a partial append: only whole lines in the file
+                os.ftruncate(fd, start)
+            self._close_fd()
+            raise SinkError(f"cannot append to {self.path}: {exc.strerror or exc}") from None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.fsync(self._fd)
+        self._close_fd()
+
+
+def span_attributes(record: Record) -> dict[str, Any]:
+    """The OTLP attributes of one record (``None`` values are left out: OTLP has no null)."""
+    attrs: dict[str, Any] = {
+        "cf.request_id": record["request_id"],
+        "gen_ai.usage.prompt_tokens": int(record["prompt_tokens"]),
+        "gen_ai.usage.completion_tokens": int(record["output_tokens"]),
+        "cf.e2e_latency_s": float(record["e2e_latency_s"]),
+        "cf.queue_wait_s": float(record["queue_wait_s"]),
+        "cf.scheduler.family": record["scheduler_family"],
+    }
+    optional = {
+        "cf.ttft_s": ("ttft_s", float),
+        "cf.priority_score": ("priority_score", float),
+        "cf.finish_reason": ("finish_reason", str),
+        "cf.cached_prompt_tokens": ("cached_prompt_tokens", int),
+        "cf.preemptions": ("preemptions", int),
+        "cf.engine_request_id": ("engine_request_id", str),
+        "cf.energy_j": ("energy_j", float),
+        "gen_ai.prompt": ("prompt_text", str),
+        "gen_ai.completion": ("output_text", str),
+    }
+    for key, (name, kind) in optional.items():
+        value = record.get(name)
+        if value is not None:
+            attrs[key] = kind(value)
+    return attrs
+
+
+def _nanos(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+class OtlpSink:
+    """One span per record, exported with the OpenTelemetry SDK's OTLP exporter (gRPC or HTTP).
+
+    Spans are made by a private tracer provider (never the global one, so vLLM's own tracing is
+    untouched) and exported directly, so every failed export is seen and counted here.
+    """
+
+    def __init__(self, target: OtlpTarget, timeout_s: float) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.name = f"OTLP {target.protocol} {target.endpoint}"
+        self._tracer: Any = None
+        self._collected: list[Any] = []
+        self._exporter: Any = None
+        self._provider: Any = None
+
+    def _setup(self) -> None:
+        try:
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+            from opentelemetry.sdk.trace.export import SpanExportResult
+
+            if self.target.protocol == PROTOCOL_GRPC:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+                insecure = not self.target.endpoint.startswith("https://")
+                self._exporter = Grpc(endpoint=self.target.endpoint, insecure=insecure,
+                                      timeout=self.timeout_s)
+            else:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+                self._exporter = Http(endpoint=self.target.endpoint, timeout=self.timeout_s)
+        except ImportError as exc:
+            raise PermanentSinkError(
+                f"the OpenTelemetry SDK is not installed ({exc.name or exc}); install opentelemetry-sdk "
+                "and opentelemetry-exporter-otlp"
+            ) from None
+        collected = self._collected
+
+        class _Collect(SpanProcessor):
+            def on_end(self, span: Any) -> None:
+                collected.append(span)
+
+        self._ok = SpanExportResult.SUCCESS
+        self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self._provider.add_span_processor(_Collect())
+        self._tracer = self._provider.get_tracer("carbonforge_runtime.engine")
+
+    def _spans(self, records: Sequence[Record]) -> list[Any]:
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        self._collected.clear()
+        for record in records:
+            span = self._tracer.start_span(
+                SPAN_NAME,
+                kind=SpanKind.INTERNAL,
+                start_time=_nanos(record["t_arrival"]),
+                attributes=span_attributes(record),
+            )
+            if record.get("finish_reason") == "error":
+                span.set_status(Status(StatusCode.ERROR, "the engine ended the request with an error"))
+            span.end(end_time=_nanos(record["t_completion"]))
+        spans = list(self._collected)
+        self._collected.clear()
+        return spans
+
+    def write(self, records: Sequence[Record]) -> None:
+        if self._tracer is None:
+            self._setup()
+        try:
+            result = self._exporter.export(self._spans(records))
+        except Exception as exc:  # an exporter bug must not end the writer thread
+            raise SinkError(f"export to {self.target.endpoint} failed: {exc}") from None
+        if result != self._ok:
+            raise SinkError(f"export to {self.target.endpoint} failed (collector unreachable or refused)")
+
+    def close(self) -> None:
+        if self._exporter is not None:
+            with contextlib.suppress(Exception):
+                self._exporter.shutdown()
+
+
+def build_sinks(tracing: TraceConfig | None, feed: MetricsFeed | None = None) -> list[Sink]:
+    """Every sink the engine contract names: the trace's file and collector, and the runtime's
+    metrics feed. The one place a new kind of sink is added."""
+    sinks: list[Sink] = []
+    if tracing is not None and tracing.file:
+        sinks.append(JsonlSink(tracing.file, private=tracing.full))
+    if tracing is not None and tracing.otlp:
+        sinks.append(OtlpSink(tracing.otlp, timeout_s=tracing.export_timeout_s))
+    if feed is not None:
+        from carbonforge_runtime.engine.metrics_feed import FeedSink
+
+        sinks.append(FeedSink(feed.socket))
+    return sinks

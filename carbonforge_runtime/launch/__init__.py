@@ -1,1 +1,0 @@
-"""Building the vLLM command (pure) and supervising the engine process."""

@@ -1,0 +1,185 @@
+"""Reading a recording to replay: our JSONL traces (standard or full level) and the Azure CSV format.
+
+JSONL traces are read by the offline tools' one reader (:mod:`carbonforge_runtime.offline.trace_reader`),
+whose :class:`~carbonforge_runtime.offline.trace_reader.TraceInputError` covers a file that cannot be
+read as JSON lines. Every other problem a user can cause (empty file, unknown columns, a bad value on
+a given line) is a :class:`ReplayError` naming the file, the line and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from carbonforge_runtime.errors import UsageError
+from carbonforge_runtime.offline.trace_reader import check_readable, numbered_records
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class ReplayError(UsageError):
+    """The recording or the replay options cannot be used."""
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request of a recording, as the replayer needs it."""
+
+    index: int  # position in arrival order
+    arrival_s: float  # seconds after the first arrival of the recording
+    prompt_tokens: int
+    output_tokens: int
+    prompt_text: str | None = None  # the rendered prompt (full-level traces)
+    prefix_hash: int | None = None  # the engine's prefix hash, when the trace carries it
+    template: str | None = None  # the generator's template name (synthetic workloads)
+
+
+@dataclass(frozen=True)
+class Recording:
+    path: str
+    kind: str  # "azure-csv", "jsonl-standard" or "jsonl-full"
+    requests: tuple[RecordedRequest, ...]
+
+    @property
+    def has_text(self) -> bool:
+        return self.kind == "jsonl-full"
+
+
+def load_recording(path: Path | str) -> Recording:
+    """Read ``path``: ``.csv`` is the Azure format, anything else JSON lines."""
+    path = Path(path)
+    check_readable(path)
+    if path.suffix.lower() == ".csv":
+        return _load_azure(path)
+    return _load_jsonl(path)
+
+
+def _fail(path: Path, line: int | None, problem: str, remedy: str) -> ReplayError:
+    where = f"{path}:{line}" if line is not None else str(path)
+    return ReplayError(f"{where}: {problem}", remedy)
+
+
+def _count(path: Path, line: int, name: str, raw: Any, minimum: int = 0) -> int:
+    if isinstance(raw, bool):
+        raise _fail(path, line, f"{name} is a boolean, not a token count", "fix or drop that line")
+    if isinstance(raw, float) and raw.is_integer():
+        raw = int(raw)
+    if isinstance(raw, str):
+        try:
+            raw = int(raw.strip())
+        except ValueError:
+            raise _fail(path, line, f"{name}={raw!r} is not a whole number", "fix or drop that line") from None
+    if not isinstance(raw, int):
+        raise _fail(path, line, f"{name}={raw!r} is not a whole number", "fix or drop that line")
+    if raw < minimum:
+        raise _fail(path, line, f"{name}={raw} is below {minimum}", "fix or drop that line")
+    return raw
+
+
+def _parse_timestamp(path: Path, line: int, raw: str) -> float:
+    text = raw.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    # "2023-11-16 18:15:46.6805900": up to 7 fraction digits, which fromisoformat may not take.
+    main, _, fraction = text.partition(".")
+    try:
+        stamp = datetime.fromisoformat(main)
+    except ValueError:
+        raise _fail(path, line, f"TIMESTAMP {raw!r} is neither a date-time nor a number of seconds",
+                    "use 'YYYY-MM-DD HH:MM:SS[.fraction]' or Unix seconds") from None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=UTC)
+    seconds = stamp.timestamp()
+    if fraction:
+        if not fraction.isdigit():
+            raise _fail(path, line, f"TIMESTAMP {raw!r} has a malformed fraction of a second", "fix that line")
+        seconds += int(fraction) / 10 ** len(fraction)
+    return seconds
+
+
+def _load_azure(path: Path) -> Recording:
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if header is None or not any(cell.strip() for cell in header):
+            raise _fail(path, None, "the file is empty",
+                        f"an Azure trace starts with the header {','.join(AZURE_COLUMNS)}")
+        columns = [cell.strip() for cell in header]
+        unknown = [c for c in columns if c not in AZURE_COLUMNS]
+        missing = [c for c in AZURE_COLUMNS if c not in columns]
+        if unknown or missing:
+            parts = []
+            if unknown:
+                parts.append(f"unknown column(s) {', '.join(repr(c) for c in unknown)}")
+            if missing:
+                parts.append(f"missing column(s) {', '.join(missing)}")
+            raise _fail(path, 1, "; ".join(parts),
+                        f"the Azure trace format has exactly the columns {','.join(AZURE_COLUMNS)}")
+        where = {name: columns.index(name) for name in AZURE_COLUMNS}
+        rows: list[tuple[float, int, int]] = []
+        for number, row in enumerate(reader, start=2):
+            if not row or not any(cell.strip() for cell in row):
+                continue
+            if len(row) != len(columns):
+                raise _fail(path, number, f"has {len(row)} fields, the header has {len(columns)}", "fix that line")
+            stamp = _parse_timestamp(path, number, row[where["TIMESTAMP"]])
+            prompt = _count(path, number, "ContextTokens", row[where["ContextTokens"]], minimum=1)
+            output = _count(path, number, "GeneratedTokens", row[where["GeneratedTokens"]], minimum=0)
+            rows.append((stamp, prompt, max(output, 1)))
+    if not rows:
+        raise _fail(path, None, "has a header but no requests", "replay a trace with at least one request")
+    return Recording(str(path), "azure-csv", _ordered((s, p, o, None, None, None) for s, p, o in rows))
+
+
+def _load_jsonl(path: Path) -> Recording:
+    rows: list[tuple[float, int, int, str | None, int | None, str | None]] = []
+    texts = 0
+    for number, record in numbered_records(path):
+        missing = [name for name in ("t_arrival", "prompt_tokens", "output_tokens") if name not in record]
+        if missing:
+            raise _fail(path, number, f"lacks the field(s) {', '.join(missing)}",
+                        "replay a trace written by --request-trace (standard or full level)")
+        arrival = record["t_arrival"]
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival):
+            raise _fail(path, number, f"t_arrival={arrival!r} is not a number of seconds", "fix or drop that line")
+        prompt = _count(path, number, "prompt_tokens", record["prompt_tokens"], minimum=1)
+        output = _count(path, number, "output_tokens", record["output_tokens"], minimum=0)
+        text = record.get("prompt_text")
+        if text is not None and not isinstance(text, str):
+            raise _fail(path, number, "prompt_text is not a string", "fix or drop that line")
+        texts += text is not None
+        raw_hash = record.get("prefix_hash")
+        prefix_hash = int(raw_hash) if isinstance(raw_hash, int) and not isinstance(raw_hash, bool) else None
+        template = record.get("template") if isinstance(record.get("template"), str) else None
+        rows.append((float(arrival), prompt, max(output, 1), text, prefix_hash, template))
+    if not rows:
+        raise _fail(path, None, "is empty", "replay a trace with at least one request")
+    kind = "jsonl-full" if texts == len(rows) else "jsonl-standard"
+    if kind == "jsonl-standard":
+        rows = [(s, p, o, None, h, t) for s, p, o, _, h, t in rows]
+    return Recording(str(path), kind, _ordered(rows))
+
+
+def _ordered(rows: Iterable[tuple[float, int, int, str | None, int | None, str | None]]) -> tuple[RecordedRequest, ...]:
+    # A stable sort keeps the file's order among equal timestamps.
+    ordered = sorted(rows, key=lambda row: row[0])
+    first = ordered[0][0]
+    return tuple(
+        RecordedRequest(i, stamp - first, prompt, output, text, prefix_hash, template)
+        for i, (stamp, prompt, output, text, prefix_hash, template) in enumerate(ordered)
+    )
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
+    """Write trace-shaped records, one JSON object per line."""
+    with path.open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, separators=(",", ":")) + "\n")

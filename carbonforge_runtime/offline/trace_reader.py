@@ -1,0 +1,175 @@
+"""The one reader of trace files for every offline tool (trace summarize/sessions/plot, replay, ltr).
+
+JSONL, plain or gzip (detected by content), streamed in batches of lines. Every problem with the
+file itself (missing, unreadable, a line that is not a JSON object, gzip damage) is a
+:class:`TraceInputError` (exit code 1) naming the file and, where there is one, the line. What a
+record must contain is each tool's own business.
+
+``orjson`` is re-exported for the parsers (``None`` when it is not installed).
+
+Lines come out decoded as UTF-8, with undecodable bytes kept as surrogate escapes so one bad
+byte spoils at most its own line. A gzip stream that is cut short or corrupt yields every
+complete line before the damage, then raises :class:`DamagedInput`.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from carbonforge_runtime.errors import CarbonForgeError
+
+try:  # parses a trace line about three times faster than the standard library, same results
+    import orjson
+except ImportError:  # pragma: no cover - a dependency; the standard library is the fallback
+    orjson = None  # type: ignore[assignment]
+
+GZIP_MAGIC = b"\x1f\x8b"
+_BOM = b"\xef\xbb\xbf"
+_READ_BYTES = 1 << 20
+#: Cap on the output of one decompression call, so memory stays bounded whatever the ratio.
+_MAX_INFLATE_BYTES = 1 << 20
+
+
+class TraceInputError(CarbonForgeError):
+    """A trace file cannot be read, or holds nothing to analyse."""
+
+
+class DamagedInput(Exception):
+    """The stream ended in damage; everything before it was already yielded."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def check_readable(path: Path) -> None:
+    if not path.exists():
+        raise TraceInputError(f"trace file {path} does not exist", "check the path (--trace-file of the runtime)")
+    if path.is_dir():
+        raise TraceInputError(f"{path} is a directory, not a trace file", "pass the JSONL file itself")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise TraceInputError(f"trace file {path} cannot be read ({exc.strerror})",
+                              "check the file's permissions") from None
+
+
+def is_gzip(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(2) == GZIP_MAGIC
+
+
+def _decode(block: bytes) -> list[str]:
+    return block.decode("utf-8", "surrogateescape").split("\n")
+
+
+def _raw_blocks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as handle:
+        while block := handle.read(_READ_BYTES):
+            yield block
+
+
+def _inflated_blocks(path: Path) -> Iterator[bytes]:
+    """Decompressed data of every gzip member in turn; DamagedInput on truncation or corruption."""
+    inflater = zlib.decompressobj(wbits=31)
+    member_started = False
+    for raw in _raw_blocks(path):
+        data = raw
+        while data:
+            member_started = True
+            try:
+                out = inflater.decompress(data, _MAX_INFLATE_BYTES)
+            except zlib.error as exc:
+                raise DamagedInput(f"gzip data is corrupt ({exc})") from None
+            if out:
+                yield out
+            if inflater.eof:
+                # End of one member; concatenated members (appended files) continue.
+                data = inflater.unused_data
+                inflater = zlib.decompressobj(wbits=31)
+                member_started = False
+                if data and not data.startswith(GZIP_MAGIC[:len(data)]):
+                    if data.strip(b"\x00"):
+                        raise DamagedInput("unexpected bytes after the end of the gzip data")
+                    data = b""
+            else:
+                data = inflater.unconsumed_tail
+    if member_started:
+        try:
+            tail = inflater.flush()
+        except zlib.error:
+            tail = b""
+        if tail:
+            yield tail
+        raise DamagedInput("gzip data is truncated (the file ends before the end of the compressed stream)")
+
+
+def _line_blocks(path: Path) -> Iterator[bytes]:
+    """The file's bytes in blocks of whole lines (no final newline; a leading BOM removed).
+
+    The last line may lack its newline (it is then still yielded), except after damage: a
+    line cut by the damage is dropped, and DamagedInput is raised after the complete ones.
+    """
+    blocks = _inflated_blocks(path) if is_gzip(path) else _raw_blocks(path)
+    pending = b""
+    first = True
+    for block in blocks:
+        if first:
+            first = False
+            if block.startswith(_BOM):
+                block = block[len(_BOM):]
+        data = pending + block if pending else block
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            pending = data
+            continue
+        pending = data[cut + 1:]
+        yield data[:cut]
+    if pending:
+        yield pending
+
+
+def line_batches(path: Path) -> Iterator[list[str]]:
+    """Every line of the file, decoded, in order, in lists of many lines."""
+    for block in _line_blocks(path):
+        yield _decode(block)
+
+
+def byte_line_batches(path: Path) -> Iterator[list[bytes]]:
+    """Every line of the file as bytes, in order, in lists of many lines."""
+    for block in _line_blocks(path):
+        yield block.split(b"\n")
+
+
+def numbered_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Every non-blank line of a JSONL trace as (line number, JSON object), in file order.
+
+    Raises :class:`TraceInputError` for a file that cannot be read, a line that is not a JSON
+    object, or damaged gzip data (after yielding every record before the damage)."""
+    check_readable(path)
+    number = 0
+    try:
+        for batch in line_batches(path):
+            for line in batch:
+                number += 1
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise TraceInputError(f"{path}:{number}: is not JSON ({exc})",
+                                          "a JSONL trace has one JSON object per line") from None
+                if not isinstance(record, dict):
+                    raise TraceInputError(f"{path}:{number}: is not a JSON object",
+                                          "a JSONL trace has one JSON object per line")
+                yield number, record
+    except DamagedInput as exc:
+        raise TraceInputError(f"{path}: {exc.reason}; the records up to line {number} were read",
+                              "copy the file again from its source, or decompress what is left "
+                              "(zcat FILE > FILE.jsonl) and use that") from None
+

@@ -1,0 +1,131 @@
+"""Step 2 of serving: the checks over a plan, before anything starts.
+
+Three checks, in this order, each reading the host only as far as it must:
+
+* the licence gate (a premium recipe or model needs a licence that entitles it);
+* the hardware match (the GPUs against the key's hardware segment; ``--strict-hardware`` refuses);
+* the pre-flight, the doctor's quick subset for this plan (ports, directories, the engine install),
+  which refuses the launch on a FAIL unless the run is a dry run.
+
+A refusal raises the check's own error (exit codes as documented); what passes is returned as
+:class:`Verdicts`, which the dry run prints and the launch acts on.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from carbonforge_runtime.errors import CarbonForgeError, HardwareMismatchError
+from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
+from carbonforge_runtime.recipes import Recipe
+from carbonforge_runtime.recipes.hardware import hardware_mismatches
+from carbonforge_runtime.runtime.doctor import (
+    FAIL,
+    OK,
+    PREFLIGHT,
+    Check,
+    DoctorRequest,
+    Probes,
+    collect_facts,
+    run_checks,
+)
+from carbonforge_runtime.runtime.doctor.report import REMEDY_PREFIX, check_line
+from carbonforge_runtime.runtime.licensing.gate import gate_override, gate_recipe
+from carbonforge_runtime.runtime.plan import ServeOptions, ServePlan
+from carbonforge_runtime.settings import Settings
+
+PREFLIGHT_PREFIX = "pre-flight: "
+
+
+class PreflightFailed(CarbonForgeError):
+    """A pre-flight check failed: the launch would fail, so it does not start."""
+
+    exit_code = 1
+
+
+@dataclass
+class Verdicts:
+    #: The verified licence claims when a premium recipe or model was granted (for the metrics).
+    licence: Any = None
+    hardware_problems: list[str] = field(default_factory=list)
+    snapshot: GpuSnapshot | None = None
+    #: The pre-flight's WARN and FAIL checks (empty when it was skipped or found nothing).
+    preflight: list[Check] = field(default_factory=list)
+    preflight_ran: bool = False
+
+    def describe(self) -> list[str]:
+        """The verdicts' part of the dry run."""
+        out = [f"hardware mismatch:  {line}" for line in self.hardware_problems]
+        if self.preflight_ran:
+            out.append(f"pre-flight:         {_preflight_summary(self.preflight)}")
+        return out
+
+
+def _preflight_summary(problems: list[Check]) -> str:
+    if not problems:
+        return "OK"
+    fails = sum(1 for check in problems if check.status == FAIL)
+    return f"{fails} FAIL, {len(problems) - fails} WARN (listed above)"
+
+
+def check_licence(plan: ServePlan, recipes: Mapping[str, Recipe], settings: Settings, now: float) -> Any:
+    """The licence gate for the plan: the granted claims, ``None`` for free, or a raised refusal."""
+    if plan.recipe is not None:
+        return gate_recipe(plan.recipe, settings, now=now)
+    assert plan.override_model is not None
+    return gate_override(plan.override_model, plan.override_args, recipes, settings, now=now)
+
+
+def check_hardware(recipe: Recipe | None, gpu: GpuBackend, strict: bool) -> tuple[list[str], GpuSnapshot | None]:
+    """The key's hardware segment against the GPUs (nothing to do for a CPU key or an override)."""
+    if recipe is None or recipe.key.hardware.is_cpu:
+        return [], None
+    snapshot = gpu.snapshot()
+    problems = hardware_mismatches(recipe.key.hardware, snapshot)
+    if problems and strict:
+        raise HardwareMismatchError(
+            f"the detected hardware does not match {recipe.key.hardware}: " + "; ".join(problems),
+            "serve a key whose hardware segment matches this host (`carbonforge-runtime recipes list`), "
+            "or drop --strict-hardware to serve anyway",
+        )
+    return problems, snapshot
+
+
+def preflight(
+    plan: ServePlan,
+    options: ServeOptions,
+    settings: Settings,
+    environ: Mapping[str, str],
+    gpu: GpuBackend,
+    snapshot: GpuSnapshot | None = None,
+    *,
+    probes: Probes | None = None,
+    out: TextIO | None = None,
+) -> list[Check]:
+    """The doctor's quick checks for this plan. Prints only WARN and FAIL lines (to stderr); raises
+    :class:`PreflightFailed` on a FAIL unless this is a dry run (which starts nothing)."""
+    request = DoctorRequest(
+        mode=PREFLIGHT,
+        metrics=options.metrics,
+        trace_file=options.trace_file,
+        trace_endpoint=options.trace_endpoint,
+    )
+    facts = collect_facts(request, settings, environ, gpu, probes=probes, plan=plan.launch, snapshot=snapshot)
+    problems = [check for check in run_checks(facts) if check.status != OK]
+    stream = out if out is not None else sys.stderr
+    for check in problems:
+        print(PREFLIGHT_PREFIX + check_line(check), file=stream)
+        print(" " * len(PREFLIGHT_PREFIX) + REMEDY_PREFIX.lstrip() + check.remedy, file=stream)
+    failures = [check for check in problems if check.status == FAIL]
+    if failures and not options.dry_run:
+        first = failures[0].detail
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise PreflightFailed(
+            f"pre-flight check failed: {first}{more}",
+            "fix the FAIL line(s) above (`carbonforge-runtime doctor` explains every check), "
+            "or pass --skip-preflight to launch anyway",
+        )
+    return problems

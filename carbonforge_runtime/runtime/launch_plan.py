@@ -1,0 +1,278 @@
+"""The vLLM command line for a launch, with the provenance of every knob. Pure functions."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from carbonforge_runtime.core.contract import SCHEDULER_CLS, EngineContract, Ordering, TraceConfig
+from carbonforge_runtime.recipes.model import VLLM_KNOBS, Recipe
+from carbonforge_runtime.settings import Settings, VarName
+
+ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
+
+SOURCE_RECIPE = "recipe"
+SOURCE_EXTRA = "extra flag after --"
+SOURCE_ENV_EXTRA = "CF_VLLM_EXTRA_ARGS"
+SOURCE_RUNTIME = "runtime"
+SOURCE_USER = "command line"
+
+#: CF_* variables that replace one recipe knob.
+KNOB_OVERRIDES: dict[VarName, str] = {
+    "CF_MAX_MODEL_LEN": "max_model_len",
+    "CF_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
+}
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    value: Any
+    source: str
+
+
+@dataclass
+class LaunchPlan:
+    """Everything needed to start the engine, and to explain the configuration to a person."""
+
+    mode: str  # "recipe" or "override"
+    recipe: Recipe | None
+    model: str
+    served_model_name: str
+    host: str
+    port: int
+    drain_timeout_s: float
+    knobs: list[Knob]
+    extra_args: list[Knob]
+    argv: list[str]
+    env: dict[str, str]
+    departures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    scheduler_family: str = "fcfs"
+    scheduler_params: Mapping[str, Any] = field(default_factory=dict)
+    #: What the CarbonForge scheduler inside the engine is told; ``None`` when another
+    #: ``--scheduler-cls`` replaces it. Serialised once, at launch (:meth:`engine_env`).
+    contract: EngineContract | None = None
+
+    def engine_env(self, contract: EngineContract | None = None) -> dict[str, str]:
+        """The engine's environment: the plan's, plus ``contract`` (the plan's own by default, or the
+        one the observability extended) in the variable the engine side parses."""
+        contract = contract if contract is not None else self.contract
+        env = dict(self.env)
+        if self.contract is not None and contract is not None:
+            env.update(contract.env())
+        return env
+
+
+def flag_name(knob: str) -> str:
+    return "--" + knob.replace("_", "-")
+
+
+def knob_args(name: str, value: Any) -> list[str]:
+    if isinstance(value, bool):
+        return [flag_name(name)] if value else ["--no-" + name.replace("_", "-")]
+    return [flag_name(name), str(value)]
+
+
+def flags_in(args: Sequence[str]) -> dict[str, str | None]:
+    """Map ``--flag`` -> its value (last occurrence wins, as with argparse) for knob detection."""
+    found: dict[str, str | None] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            if "=" in arg:
+                name, value = arg.split("=", 1)
+                found[name] = value
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                found[arg] = args[i + 1]
+                i += 1
+            else:
+                found[arg] = None
+        i += 1
+    return found
+
+
+def _knob_from_flag(flag: str) -> tuple[str, bool | None] | None:
+    """``--max-num-seqs`` -> ('max_num_seqs', None); ``--no-enable-prefix-caching`` -> (..., False)."""
+    name = flag[2:].replace("-", "_")
+    if name in VLLM_KNOBS:
+        return name, (True if VLLM_KNOBS[name] is bool else None)
+    if name.startswith("no_") and name[3:] in VLLM_KNOBS and VLLM_KNOBS[name[3:]] is bool:
+        return name[3:], False
+    return None
+
+
+def engine_prefix() -> list[str]:
+    return [sys.executable, "-m", ENGINE_MODULE]
+
+
+SCHEDULER_FLAG = "--scheduler-cls"
+
+
+def user_scheduler_cls(args: Sequence[str]) -> str | None:
+    """The ``--scheduler-cls`` the user passed among ``args`` (it replaces ours), if any."""
+    given = flags_in(args)
+    return (given.get(SCHEDULER_FLAG) or "?") if SCHEDULER_FLAG in given else None
+
+
+def scheduler_wiring(
+    user_args: Sequence[str], family: str, params: Mapping[str, Any], trace: TraceConfig | None
+) -> tuple[list[str], EngineContract | None, list[str]]:
+    """(vLLM flags, engine contract, notes) that load the CarbonForge scheduler with its
+    configuration, unless the user names another scheduler class."""
+    other = user_scheduler_cls(user_args)
+    if other is not None:
+        return [], None, [f"{SCHEDULER_FLAG} {other} given: the CarbonForge scheduler is not loaded "
+                          f"(no scheduler family {family!r}, no request trace)"]
+    return [SCHEDULER_FLAG, SCHEDULER_CLS], EngineContract(Ordering(family, dict(params)), trace), []
+
+
+def build_recipe_plan(
+    recipe: Recipe,
+    settings: Settings,
+    extra_args: Sequence[str],
+    model_path: str | None = None,
+    base_env: Mapping[str, str] | None = None,
+    trace: TraceConfig | None = None,
+) -> LaunchPlan:
+    """The plan for serving ``recipe``; ``model_path`` replaces the repo for built-in models;
+    ``trace`` is the validated request-trace configuration handed to the scheduler."""
+    knobs = {name: Knob(name, value, SOURCE_RECIPE) for name, value in recipe.vllm.items()}
+    departures: list[str] = []
+    for var, name in KNOB_OVERRIDES.items():
+        if settings.is_set(var):
+            new = settings.value(var)
+            old = knobs[name].value if name in knobs else "unset (vLLM default)"
+            knobs[name] = Knob(name, new, var)
+            departures.append(f"{var} departs from the benchmark: {name} {old} (recipe) -> {new}")
+
+    env_extra = settings.vllm_extra_args
+    extras = [Knob(" ".join(args), list(args), source)
+              for source, args in ((SOURCE_ENV_EXTRA, env_extra), (SOURCE_EXTRA, list(extra_args))) if args]
+    if env_extra:
+        departures.append(f"CF_VLLM_EXTRA_ARGS departs from the benchmark: adds {' '.join(env_extra)}")
+    if extra_args:
+        departures.append(f"extra vLLM flags depart from the benchmark: adds {' '.join(extra_args)}")
+    # Appended flags win in vLLM's parser; record that as the knob's provenance.
+    for source, args in ((SOURCE_ENV_EXTRA, env_extra), (SOURCE_EXTRA, list(extra_args))):
+        for flag, value in flags_in(args).items():
+            parsed = _knob_from_flag(flag)
+            if parsed is None:
+                continue
+            name, boolean = parsed
+            knobs[name] = Knob(name, boolean if boolean is not None else value, source)
+
+    host = settings.host
+    port = settings.port
+    model = model_path or recipe.model.repo
+    argv = [*engine_prefix(), "--model", model, "--served-model-name", recipe.model.served_name]
+    argv += ["--host", str(host), "--port", str(port)]
+    if recipe.model.revision and not model_path:
+        argv += ["--revision", recipe.model.revision]
+    for name, value in recipe.vllm.items():
+        # A CF_* override replaces the recipe's value in place; extra flags are appended below
+        # and win there, the way vLLM's parser treats a repeated flag.
+        argv += knob_args(name, knobs[name].value if knobs[name].source in KNOB_OVERRIDES else value)
+    for name in KNOB_OVERRIDES.values():
+        if name not in recipe.vllm and name in knobs and knobs[name].source in KNOB_OVERRIDES:
+            argv += knob_args(name, knobs[name].value)
+    argv += list(recipe.extra_args)
+    argv += ["--shutdown-timeout", _seconds_text(recipe.drain_timeout_s)]
+    sched_args, contract, sched_notes = scheduler_wiring(
+        [*recipe.extra_args, *env_extra, *extra_args], recipe.scheduler.family, recipe.scheduler.params, trace
+    )
+    argv += sched_args
+    argv += env_extra + list(extra_args)
+
+    env = dict(base_env or {})
+    for name, value in recipe.env.items():
+        env.setdefault(name, value)
+    return LaunchPlan(
+        mode="recipe",
+        recipe=recipe,
+        model=model,
+        served_model_name=recipe.model.served_name,
+        host=str(host),
+        port=int(port),
+        drain_timeout_s=recipe.drain_timeout_s,
+        knobs=sorted(knobs.values(), key=lambda k: k.name),
+        extra_args=extras,
+        argv=argv,
+        env=env,
+        departures=departures,
+        notes=sched_notes,
+        scheduler_family=recipe.scheduler.family,
+        scheduler_params=dict(recipe.scheduler.params),
+        contract=contract,
+    )
+
+
+def _seconds_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+DEFAULT_OVERRIDE_DRAIN_S = 30.0
+
+
+def build_override_plan(
+    args: Sequence[str],
+    settings: Settings,
+    model: str,
+    base_env: Mapping[str, str] | None = None,
+    trace: TraceConfig | None = None,
+) -> LaunchPlan:
+    """The full-override mode: the user's arguments are vLLM's, the runtime only adds what it
+    must (an explicit served model name, the port) and says so in ``notes``."""
+    args = list(args)
+    if args and not args[0].startswith("-"):
+        # `vllm serve MODEL ...` takes the model positionally; the API server module wants --model.
+        args = ["--model", args[0], *args[1:]]
+    argv = [*engine_prefix(), *args]
+    given = flags_in(args)
+    notes: list[str] = []
+    served = given.get("--served-model-name")
+    if not served:
+        served = model
+        argv += ["--served-model-name", model]
+        notes.append(f"no --served-model-name given: serving as {model!r}")
+    port_text = given.get("--port")
+    if port_text is None:
+        port = settings.port
+        argv += ["--port", str(port)]
+    else:
+        port = int(port_text) if port_text.isdigit() else settings.port
+    host = given.get("--host") or settings.host
+    if "--host" not in given:
+        argv += ["--host", str(host)]
+    drain_text = given.get("--shutdown-timeout")
+    try:
+        drain = float(drain_text) if drain_text else DEFAULT_OVERRIDE_DRAIN_S
+    except ValueError:
+        drain = DEFAULT_OVERRIDE_DRAIN_S
+    if drain_text is None:
+        argv += ["--shutdown-timeout", _seconds_text(drain)]
+    sched_args, contract, sched_notes = scheduler_wiring(args, "fcfs", {}, trace)
+    argv += sched_args
+    notes += sched_notes
+    ignored: tuple[VarName, ...] = ("CF_MAX_MODEL_LEN", "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS")
+    for var in ignored:
+        if settings.is_set(var):
+            notes.append(f"{var} is ignored in the full-override mode: put the flag in the command instead")
+    return LaunchPlan(
+        mode="override",
+        recipe=None,
+        model=model,
+        served_model_name=served,
+        host=str(host),
+        port=port,
+        drain_timeout_s=max(drain, 1.0),
+        knobs=[],
+        extra_args=[Knob(" ".join(args), list(args), SOURCE_USER)] if args else [],
+        argv=argv,
+        env=dict(base_env or {}),
+        notes=notes,
+        contract=contract,
+    )

@@ -1,0 +1,143 @@
+"""The premium gate, called by every serving mode before anything starts.
+
+Recipe mode: a premium recipe needs a valid licence entitling its context key (or its model).
+Override mode: the model vLLM would serve (see :mod:`carbonforge_runtime.runtime.model_arg`) is
+premium when it belongs to any premium recipe; it then needs a licence entitling one of them.
+Either way a refusal is a :class:`LicenseInvalid` (exit code 4) raised before vLLM is started.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+from carbonforge_runtime import log as cflog
+from carbonforge_runtime.errors import LicenseError, UsageError
+from carbonforge_runtime.recipes.model import Recipe
+from carbonforge_runtime.runtime.licensing import keys as key_table
+from carbonforge_runtime.runtime.licensing.core import (
+    PLAN_PREMIUM,
+    LicenseClaims,
+    LicenseInvalid,
+    entitles,
+    format_time,
+    verify,
+)
+from carbonforge_runtime.runtime.licensing.source import ENV_VAR, LicenseSource, license_file, read_license
+from carbonforge_runtime.runtime.model_arg import model_choices, model_matches, normalise_model_id, resolve_model
+from carbonforge_runtime.settings import Settings
+
+NO_LICENSE = "no license key provided"
+
+
+def _remedy_provide(settings: Settings) -> str:
+    return (f"pass the licence key in {ENV_VAR}, or mount the licence file at {license_file(settings)} "
+            "(CF_LICENSE_FILE); free-plan recipes need no licence (`carbonforge-runtime recipes list`)")
+
+
+def licensed_claims(subject: str, settings: Settings, now: float,
+                    keys: Callable[[], Mapping[str, bytes]] | None = None) -> tuple[LicenseClaims, LicenseSource]:
+    """Read and verify the licence for ``subject`` (a phrase naming what needs it)."""
+    logger = cflog.get_logger()
+    source = read_license(settings)
+    if source.text is None:
+        if source.problem and source.origin and not os.path.lexists(source.origin):
+            raise LicenseInvalid("missing", f"{subject}: {NO_LICENSE}: the licence file {source.origin} "
+                                 f"{source.problem}", _remedy_provide(settings))
+        if source.problem:
+            raise LicenseInvalid(
+                "unreadable",
+                f"{subject}: {NO_LICENSE}: the licence file {source.origin} cannot be used: {source.problem}",
+                f"make the file readable by the runtime's user on the host (owner and mode, e.g. chmod 600 "
+                f"and chown to that uid), or pass the key in {ENV_VAR} instead",
+            )
+        raise LicenseInvalid("missing", f"{subject}: {NO_LICENSE}", _remedy_provide(settings))
+    logger.info("licence: using %s", source.describe())
+    table = (keys or key_table.public_keys)()
+    try:
+        claims = verify(source.text, table, now)
+    except LicenseInvalid as exc:
+        where = ENV_VAR if source.origin == ENV_VAR else f"the licence file {source.origin}"
+        raise LicenseInvalid(exc.reason, f"{subject}: the licence key in {where} was refused: {exc.message}",
+                             exc.remedy) from None
+    return claims, source
+
+
+def _covered(claims: LicenseClaims) -> str:
+    return ", ".join(claims.entitlements)
+
+
+def _log_granted(claims: LicenseClaims, what: str, now: float) -> None:
+    cflog.get_logger().info(
+        "licence %s for %s entitles %s (premium plan, expires %s, %.0f days left)",
+        claims.licence_id, claims.licensee, what, format_time(claims.expires_at), claims.days_left(now),
+    )
+
+
+def gate_recipe(recipe: Recipe, settings: Settings, now: float,
+                keys: Callable[[], Mapping[str, bytes]] | None = None) -> LicenseClaims | None:
+    """None for a free recipe; the licence claims for an entitled premium recipe; LicenseInvalid otherwise."""
+    if not recipe.is_premium:
+        return None
+    subject = f"{recipe.key_text} is a {PLAN_PREMIUM}-plan recipe"
+    claims, _ = licensed_claims(subject, settings, now, keys)
+    if not entitles(claims, recipe.key_text, recipe.model.repo):
+        raise LicenseInvalid(
+            "not-entitled",
+            f"{subject}: licence {claims.licence_id} ({claims.licensee}) is not entitled to {recipe.key_text} "
+            f"(it covers: {_covered(claims)})",
+            f"serve a recipe the licence covers, or ask CarbonForge for a licence that includes {recipe.key_text}",
+        )
+    _log_granted(claims, recipe.key_text, now)
+    return claims
+
+
+def premium_owners(model: str, recipes: Mapping[str, Recipe]) -> list[Recipe]:
+    """The premium recipes ``model`` (any spelling, hub id or local path) belongs to."""
+    return [recipe for _, recipe in sorted(recipes.items())
+            if recipe.is_premium and model_matches(model, recipe.model.repo)]
+
+
+def gate_override(model: str, args: Sequence[str], recipes: Mapping[str, Recipe], settings: Settings,
+                  now: float, keys: Callable[[], Mapping[str, bytes]] | None = None) -> LicenseClaims | None:
+    """The override mode's gate. ``model`` is what :func:`resolve_model` found in ``args``; it is
+    resolved again here so that a caller cannot pass a different one."""
+    served = resolve_model(args).model
+    if normalise_model_id(served) != normalise_model_id(model):
+        raise LicenseInvalid("malformed", f"the model to gate ({model!r}) is not the one the arguments serve "
+                             f"({served!r})", "name the model exactly once")
+    owners = premium_owners(served, recipes)
+    if not owners:
+        return None
+    listed = ", ".join(recipe.key_text for recipe in owners)
+    subject = f"model {served!r} belongs to {PLAN_PREMIUM}-plan recipe(s) {listed}"
+    claims, _ = licensed_claims(subject, settings, now, keys)
+    entitled = [recipe for recipe in owners if entitles(claims, recipe.key_text, recipe.model.repo)]
+    if not entitled:
+        raise LicenseInvalid(
+            "not-entitled",
+            f"{subject}: licence {claims.licence_id} ({claims.licensee}) is not entitled to it "
+            f"(it covers: {_covered(claims)})",
+            "serve a model the licence covers, or ask CarbonForge for a licence that includes "
+            f"{owners[0].key_text}",
+        )
+    _log_granted(claims, f"{served} (through {entitled[0].key_text})", now)
+    return claims
+
+
+def check_recipe_args(recipe: Recipe, planned_model: str, engine_args: Sequence[str]) -> None:
+    """In recipe mode, extra vLLM flags (after -- or CF_VLLM_EXTRA_ARGS) must not change the model."""
+    remedy = ("drop --model/--config from the extra arguments (after -- or in CF_VLLM_EXTRA_ARGS); to serve "
+              "another model use the override mode (carbonforge-runtime -- MODEL ...)")
+    try:
+        choices = model_choices(engine_args)
+    except LicenseError as exc:
+        raise UsageError(f"the extra vLLM arguments for {recipe.key_text} make the served model unclear: "
+                         f"{exc.message}", remedy) from None
+    others = [choice.model for choice in choices if choice.model != planned_model]
+    if others or not choices:
+        raise UsageError(
+            f"the extra vLLM arguments replace the model of {recipe.key_text} ({planned_model}) with "
+            f"{others[0] if others else 'none'!r}",
+            remedy,
+        )

@@ -1,0 +1,182 @@
+"""The runtime's numbers, as plain data: what the feed brings, what NVML reads, what the controller
+does. Thread-safe (one lock); no Prometheus import. :mod:`.exposition` renders a snapshot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from carbonforge_runtime.core.energy_policy import Signals
+from carbonforge_runtime.core.feed_protocol import EngineState, RequestSample
+from carbonforge_runtime.core.quantiles import quantile
+from carbonforge_runtime.gpu.types import GpuReading
+from carbonforge_runtime.runtime.energy.controller import ControllerStatus
+from carbonforge_runtime.runtime.metrics.receiver import ReceiverStats
+
+QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: How long completed requests are kept for the latency guard's p90 (the longest guard window allowed).
+MAX_GUARD_WINDOW_S = 300.0
+#: Counter messages kept for the tokens-per-step estimate.
+TOKEN_HISTORY = 64
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative), last one is +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip((*[repr(float(b)) for b in self.buckets], "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class FamilyStats:
+    queue_wait: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BUCKETS_S))
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    energy_j: float = 0.0
+    requests: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+
+
+@dataclass(frozen=True)
+class Info:
+    runtime_version: str
+    vllm_version: str
+    context_key: str
+    recipe: str
+    licence_plan: str
+    licence_expires_at: float | None
+
+
+@dataclass
+class Snapshot:
+    families: dict[str, FamilyStats]
+    engine: EngineState | None
+    engine_age_s: float | None
+    feed: ReceiverStats
+    gpus: list[GpuReading]
+    controller: ControllerStatus | None
+    info: Info | None
+    joules_per_output_token: float | None
+
+
+class RuntimeState:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._families: dict[str, FamilyStats] = {}
+        self._recent: deque[tuple[float, float, float | None]] = deque()  # (t, queue wait, ttft)
+        self._engine: EngineState | None = None
+        self._engine_t: float | None = None
+        self._token_history: deque[tuple[float, int, int]] = deque(maxlen=TOKEN_HISTORY)  # (t, steps, tokens)
+        self._gpus: list[GpuReading] = []
+        self.feed = ReceiverStats()
+        self.controller: Callable[[], ControllerStatus] | None = None
+        self.info: Info | None = None
+        self.output_tokens_total = 0
+        self.joules_per_output_token: float | None = None
+
+    # -- inputs --
+
+    def on_records(self, samples: list[RequestSample]) -> None:
+        now = self.clock()
+        with self._lock:
+            for s in samples:
+                stats = self._families.get(s.family)
+                if stats is None:
+                    stats = self._families[s.family] = FamilyStats()
+                stats.queue_wait.observe(s.queue_wait_s)
+                if s.ttft_s is not None:
+                    stats.ttft.observe(s.ttft_s)
+                stats.e2e.observe(s.e2e_latency_s)
+                stats.prompt_tokens += s.prompt_tokens
+                stats.output_tokens += s.output_tokens
+                if s.energy_j is not None:
+                    stats.energy_j += s.energy_j
+                stats.requests[s.finish_reason] = stats.requests.get(s.finish_reason, 0) + 1
+                self.output_tokens_total += s.output_tokens
+                self._recent.append((now, s.queue_wait_s, s.ttft_s))
+            while self._recent and now - self._recent[0][0] > MAX_GUARD_WINDOW_S:
+                self._recent.popleft()
+
+    def on_engine_state(self, state: EngineState) -> None:
+        now = self.clock()
+        with self._lock:
+            self._engine, self._engine_t = state, now
+            self._token_history.append((now, state.counters.steps, state.counters.tokens_scheduled_total))
+
+    def set_gpus(self, readings: list[GpuReading]) -> None:
+        with self._lock:
+            self._gpus = list(readings)
+
+    # -- outputs --
+
+    def signals(self, now: float, window_s: float, token_window_s: float = 10.0) -> Signals:
+        """What the controller sees at ``now`` (monotonic)."""
+        with self._lock:
+            engine, engine_t = self._engine, self._engine_t
+            recent = [(w, t) for (at, w, t) in self._recent if now - at <= window_s]
+            history = [h for h in self._token_history if now - h[0] <= token_window_s]
+        tokens_per_step = None
+        if len(history) >= 2:
+            steps = history[-1][1] - history[0][1]
+            tokens_per_step = (history[-1][2] - history[0][2]) / steps if steps > 0 else 0.0
+        return Signals(
+            now_s=now,
+            age_s=None if engine_t is None else max(now - engine_t, 0.0),
+            waiting=engine.counters.waiting if engine else 0,
+            running=engine.counters.running if engine else 0,
+            tokens_per_step=tokens_per_step,
+            queue_wait_p90_s=quantile([w for w, _ in recent], 0.90),
+            ttft_p90_s=quantile([t for _, t in recent if t is not None], 0.90),
+        )
+
+    def snapshot(self) -> Snapshot:
+        controller = self.controller() if self.controller is not None else None
+        now = self.clock()
+        with self._lock:
+            families = {
+                name: FamilyStats(
+                    queue_wait=Histogram(s.queue_wait.buckets, list(s.queue_wait.counts), s.queue_wait.total,
+                                         s.queue_wait.count),
+                    ttft=Histogram(s.ttft.buckets, list(s.ttft.counts), s.ttft.total, s.ttft.count),
+                    e2e=Histogram(s.e2e.buckets, list(s.e2e.counts), s.e2e.total, s.e2e.count),
+                    prompt_tokens=s.prompt_tokens, output_tokens=s.output_tokens, energy_j=s.energy_j,
+                    requests=dict(s.requests),
+                )
+                for name, s in self._families.items()
+            }
+            return Snapshot(
+                families=families,
+                engine=self._engine,
+                engine_age_s=None if self._engine_t is None else now - self._engine_t,
+                feed=ReceiverStats(self.feed.messages, self.feed.lost, self.feed.malformed),
+                gpus=list(self._gpus),
+                controller=controller,
+                info=self.info,
+                joules_per_output_token=self.joules_per_output_token,
+            )

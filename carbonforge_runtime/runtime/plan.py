@@ -1,0 +1,186 @@
+"""Step 1 of serving: from the options, the settings and the known recipes to a plan. Pure.
+
+:func:`build_plan` reads no file, opens no device and starts no process: everything it needs is
+passed in (the recipes are loaded by the caller). The plan it returns holds everything the later
+steps act on: the recipe (if any), the request-trace configuration, the vLLM command line and
+environment, the engine contract, and the messages to log. The checks
+(:mod:`carbonforge_runtime.runtime.checks`) judge this plan; the launch runs it as it is, so a dry
+run and a real launch of the same options run the same command.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from carbonforge_runtime.core.contract import TraceConfig, full_level_banner_lines
+from carbonforge_runtime.core.ordering.registry import make_family
+from carbonforge_runtime.errors import CarbonForgeError, UsageError
+from carbonforge_runtime.recipes import Recipe, resolve
+from carbonforge_runtime.runtime.launch_plan import (
+    ENGINE_MODULE,
+    LaunchPlan,
+    build_override_plan,
+    build_recipe_plan,
+    user_scheduler_cls,
+)
+from carbonforge_runtime.runtime.licensing.gate import check_recipe_args
+from carbonforge_runtime.runtime.model_arg import model_from_args
+from carbonforge_runtime.runtime.trace_options import resolve_trace_options
+from carbonforge_runtime.settings import Settings
+
+
+@dataclass
+class ServeOptions:
+    """The ``serve`` command's flags (and the vLLM arguments after ``--``)."""
+
+    context_key: str | None = None
+    strict_hardware: bool = False
+    request_trace: str = "off"
+    trace_file: str | None = None
+    trace_endpoint: str | None = None
+    trace_format: str | None = None
+    metrics: bool = False
+    dry_run: bool = False
+    #: Do not run the pre-flight checks, so that a failing one cannot stop the launch.
+    skip_preflight: bool = False
+    vllm_args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Message:
+    level: str  # "info" or "warning"
+    text: str
+
+
+@dataclass
+class ServePlan:
+    """What serving will do, before anything is checked or started."""
+
+    launch: LaunchPlan
+    trace: TraceConfig | None
+    #: The model vLLM serves in the full-override mode, and the user's vLLM arguments (``None``
+    #: and empty in the recipe mode).
+    override_model: str | None = None
+    override_args: list[str] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+
+    @property
+    def recipe(self) -> Recipe | None:
+        return self.launch.recipe
+
+
+def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, Recipe],
+               environ: Mapping[str, str], cwd: str | None = None) -> ServePlan:
+    """The plan for ``options``; raises :class:`UsageError` (or another fixable error) on options
+    that cannot be served. ``environ`` is the runtime's environment, which the engine inherits."""
+    messages: list[Message] = []
+    trace = _trace_config(options, environ, cwd, messages)
+    base_env = dict(environ)
+    base_env.setdefault("PYTHONUNBUFFERED", "1")
+    if options.context_key:
+        recipe = resolve(options.context_key, recipes)
+        model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
+        extra = [*recipe.extra_args, *settings.vllm_extra_args, *options.vllm_args]
+        _check_scheduler(recipe.scheduler.family, recipe.scheduler.params, extra, trace)
+        launch = build_recipe_plan(recipe, settings, options.vllm_args, model_path=model_path, base_env=base_env,
+                                   trace=trace)
+        # Extra flags (after -- or CF_VLLM_EXTRA_ARGS) must not swap the recipe's model for another.
+        check_recipe_args(recipe, launch.model, launch.argv[launch.argv.index(ENGINE_MODULE) + 1:])
+        messages += [Message("warning", line) for line in launch.departures]
+        messages += [Message("info", line) for line in launch.notes]
+        return ServePlan(launch, trace, messages=messages)
+    if not options.vllm_args:
+        raise CarbonForgeError(
+            "nothing to serve: no context key and no vLLM arguments",
+            "pass --context-key KEY, set CF_CONTEXT_KEY, or give the vLLM command after --",
+        )
+    model = model_from_args(options.vllm_args)
+    messages.append(Message("info", "full-override mode: the recipe is bypassed; the arguments go to vLLM as given"))
+    _check_scheduler("fcfs", {}, options.vllm_args, trace)
+    launch = build_override_plan(options.vllm_args, settings, model, base_env=base_env, trace=trace)
+    messages += [Message("info", line) for line in launch.notes]
+    return ServePlan(launch, trace, model, list(options.vllm_args), messages)
+
+
+def _trace_config(options: ServeOptions, environ: Mapping[str, str], cwd: str | None,
+                  messages: list[Message]) -> TraceConfig | None:
+    """Validate the tracing flags (errors raise); their warnings join ``messages``."""
+    decision = resolve_trace_options(
+        options.request_trace, options.trace_file, options.trace_endpoint, options.trace_format, environ, cwd=cwd
+    )
+    messages += [Message("warning", line) for line in decision.warnings]
+    trace = decision.config
+    if trace is not None:
+        messages.append(Message("info", f"request trace: {describe_trace(trace, options)}"))
+        if trace.full:
+            messages.append(Message("banner", "\n".join(full_level_banner_lines(trace))))
+    return trace
+
+
+def _check_scheduler(family: str, params: Mapping[str, object], args: list[str], trace: TraceConfig | None) -> None:
+    """Fail before launch on an unknown family, or tracing with another scheduler class."""
+    make_family(family, params)
+    other = user_scheduler_cls(args)
+    if trace is not None and other is not None:
+        raise UsageError(
+            f"request tracing runs inside the CarbonForge scheduler, but --scheduler-cls {other} replaces it",
+            "remove --scheduler-cls from the vLLM arguments, or turn request tracing off",
+        )
+
+
+def describe_trace(trace: TraceConfig | None, options: ServeOptions) -> str:
+    if trace is None:
+        return "off" if options.request_trace in ("off", "", None) else f"off ({options.request_trace} has no sink)"
+    sinks = []
+    if trace.file:
+        sinks.append(f"file {trace.file}")
+    if trace.otlp:
+        sinks.append(f"OTLP {trace.otlp.protocol} {trace.otlp.endpoint}")
+    return f"{trace.level} -> {', '.join(sinks)}"
+
+
+def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, str]) -> list[str]:
+    """The effective configuration, with the source of every knob (the first part of the dry run)."""
+    launch = plan.launch
+    out = [f"mode:               {launch.mode}"]
+    recipe = launch.recipe
+    if recipe:
+        out.append(f"context key:        {recipe.key_text}  ({recipe.source})")
+        out.append(f"plan:               {recipe.plan}")
+        verified = "" if recipe.model.verified else "  [unverified repository]"
+        out.append(f"model:              {recipe.model.repo}{verified}")
+        if launch.model != recipe.model.repo:
+            out.append(f"model path:         {launch.model}  (built-in, generated at launch)")
+    else:
+        out.append(f"model:              {launch.model}")
+    out.append(f"served model name:  {launch.served_model_name}")
+    out.append(f"API:                http://{launch.host}:{launch.port}/v1")
+    out.append(f"drain time:         {launch.drain_timeout_s:g} s")
+    if launch.knobs:
+        out.append("vLLM knobs (value, source):")
+        width = max(len(k.name) for k in launch.knobs)
+        for knob in launch.knobs:
+            out.append(f"  {knob.name.ljust(width)}  {str(knob.value).ljust(10)}  {knob.source}")
+    if launch.extra_args:
+        out.append("extra vLLM arguments (source):")
+        for extra in launch.extra_args:
+            out.append(f"  {extra.name}    ({extra.source})")
+    if recipe:
+        out.append(f"scheduler:          {recipe.scheduler.family} {dict(recipe.scheduler.params) or ''}")
+        out.append(f"controller:         {recipe.controller.policy}")
+        for name, value in recipe.env.items():
+            origin = "recipe" if launch.env.get(name) == value and name not in environ else "environment"
+            out.append(f"engine environment: {name}={launch.env.get(name)}  ({origin})")
+    out.append(f"request trace:      {describe_trace(plan.trace, options)}")
+    for line in launch.departures:
+        out.append(f"departure:          {line}")
+    for line in launch.notes:
+        out.append(f"note:               {line}")
+    return out
+
+
+def command_line(plan: ServePlan) -> str:
+    """The vLLM command the launch runs, as one shell line."""
+    return shlex.join(plan.launch.argv)

@@ -1,0 +1,210 @@
+"""Serving, as one pipeline: options -> plan -> checks -> launch -> supervise.
+
+1. :func:`~carbonforge_runtime.runtime.plan.build_plan` (pure) turns the options, settings and
+   recipes into the plan: the recipe, the trace configuration, the vLLM command, the engine contract.
+2. :mod:`~carbonforge_runtime.runtime.checks` judges that plan: licence, hardware, pre-flight.
+3. The dry run prints the plan and the verdicts and stops; otherwise the plan is launched as it is
+   (:mod:`~carbonforge_runtime.runtime.supervisor`) with the observability around it.
+
+Each step calls only the steps below it. The CLI calls :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from carbonforge_runtime import log as cflog
+from carbonforge_runtime.core.contract import TraceConfig
+from carbonforge_runtime.errors import CarbonForgeError
+from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
+from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
+from carbonforge_runtime.runtime.checks import Verdicts, check_hardware, check_licence, preflight
+from carbonforge_runtime.runtime.launch_plan import LaunchPlan
+from carbonforge_runtime.runtime.plan import ServeOptions, ServePlan, build_plan, command_line, describe_plan
+from carbonforge_runtime.settings import Settings
+
+__all__ = ["Prepared", "ServeOptions", "describe_prepared", "load_all_recipes", "prepare", "serve"]
+
+
+@dataclass
+class Prepared:
+    """A plan with the verdicts of the licence and hardware checks."""
+
+    serve_plan: ServePlan
+    verdicts: Verdicts
+
+    @property
+    def plan(self) -> LaunchPlan:
+        return self.serve_plan.launch
+
+    @property
+    def trace(self) -> TraceConfig | None:
+        return self.serve_plan.trace
+
+    @property
+    def hardware_problems(self) -> list[str]:
+        return self.verdicts.hardware_problems
+
+    @property
+    def snapshot(self) -> GpuSnapshot | None:
+        return self.verdicts.snapshot
+
+    @property
+    def licence(self) -> Any:
+        return self.verdicts.licence
+
+
+def load_all_recipes(settings: Settings) -> dict[str, Recipe]:
+    return load_recipes(recipe_dirs(settings.recipes_dir))
+
+
+def _log_messages(plan: ServePlan) -> None:
+    logger = cflog.get_logger()
+    for message in plan.messages:
+        if message.level == "banner":
+            logger.warning("\n%s", cflog.banner(message.text.split("\n")))
+        elif message.level == "warning":
+            logger.warning(message.text)
+        else:
+            logger.info(message.text)
+
+
+def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str], gpu: GpuBackend,
+            now: float | None = None) -> Prepared:
+    """The plan (step 1) and the licence and hardware checks (step 2 without the pre-flight). Starts nothing."""
+    recipes = load_all_recipes(settings)
+    plan = build_plan(options, settings, recipes, environ)
+    _log_messages(plan)
+    licence = check_licence(plan, recipes, settings, now=time.time() if now is None else now)
+    problems, snapshot = check_hardware(plan.recipe, gpu, options.strict_hardware)
+    return Prepared(plan, Verdicts(licence=licence, hardware_problems=problems, snapshot=snapshot))
+
+
+def describe_prepared(prepared: Prepared, options: ServeOptions, environ: Mapping[str, str]) -> str:
+    """The dry run's output: the plan, the verdicts, and the vLLM command the launch would run."""
+    lines = describe_plan(prepared.serve_plan, options, environ)
+    lines += prepared.verdicts.describe()
+    lines += ["vLLM command:", "  " + command_line(prepared.serve_plan)]
+    return "\n".join(lines)
+
+
+def create_trace_file(path: str, private: bool) -> bool:
+    """Create ``path`` (and its directory) before the engine starts; at the full level make it
+    readable by its owner only. Returns True when an existing file's mode was tightened."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600 if private else 0o644)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise IsADirectoryError(f"{path} is not a regular file")
+        if private and stat.S_IMODE(info.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def _create_trace_file(trace: TraceConfig | None) -> None:
+    """Create the JSONL file before the engine starts (owner-only at the full level)."""
+    if trace is None or not trace.file:
+        return
+    try:
+        tightened = create_trace_file(trace.file, private=trace.full)
+    except OSError as exc:
+        raise CarbonForgeError(
+            f"cannot create the trace file {trace.file} ({exc.strerror or exc})",
+            "give --trace-file a path in a writable directory (e.g. on the /var/log/carbonforge volume)",
+        ) from None
+    if tightened:
+        cflog.get_logger().warning("trace file %s existed with a wider mode: now readable by its owner only",
+                                   trace.file)
+
+
+def _log_dir(settings: Settings) -> Path:
+    path = settings.log_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise CarbonForgeError(
+            f"log directory {path} is not writable ({exc.strerror})",
+            "mount a writable volume at /var/log/carbonforge, or set CF_LOG_DIR to a writable directory",
+        ) from None
+    return path
+
+
+def serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str], gpu: GpuBackend) -> int:
+    from carbonforge_runtime.runtime import supervisor
+
+    logger = cflog.get_logger()
+    stop = supervisor.StopFlag()
+    stop.install()  # from here on a SIGTERM is handled, even during preparation
+    prepared = prepare(options, settings, environ, gpu)
+    plan = prepared.plan
+    if prepared.hardware_problems and plan.recipe:
+        lines = [f"HARDWARE MISMATCH for {plan.recipe.key_text}", *prepared.hardware_problems,
+                 "Serving anyway: the recipe's performance and energy figures do not apply to this host.",
+                 "Pass --strict-hardware to refuse to start instead."]
+        logger.warning("\n%s", cflog.banner(lines))
+    if not options.skip_preflight:
+        # Prints WARN/FAIL lines; raises on a FAIL unless this is a dry run.
+        prepared.verdicts.preflight = preflight(prepared.serve_plan, options, settings, environ, gpu,
+                                                prepared.snapshot)
+        prepared.verdicts.preflight_ran = True
+    if options.dry_run:
+        print(describe_prepared(prepared, options, environ))
+        return 0
+
+    log_dir = _log_dir(settings)
+    _create_trace_file(prepared.trace)
+    if plan.recipe and plan.recipe.model.builtin:
+        from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
+
+        logger.info("preparing the built-in model %s in %s", plan.recipe.model.builtin, plan.model)
+        ensure_tiny_model(Path(plan.model))
+    from carbonforge_runtime.runtime.observability import start_observability
+
+    # Metrics, GPU monitor and energy controller (None when the run needs none of them).
+    observe = start_observability(prepared, options, settings, environ, logger, stop)
+    contract = observe.engine_contract(plan.contract) if observe is not None else plan.contract
+    engine_env = plan.engine_env(contract)
+    engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
+    what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
+    logger.info("starting vLLM for %s; engine log: %s", what, engine.log_path)
+    ready_host = "127.0.0.1" if plan.host in ("0.0.0.0", "::", "") else plan.host
+
+    def on_ready() -> None:
+        logger.info("ready: OpenAI API on http://%s:%d/v1 serving model %r", ready_host, plan.port,
+                    plan.served_model_name)
+        body = json.dumps({"model": plan.served_model_name,
+                           "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32})
+        logger.info("try: curl -s http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' -d '%s'",
+                    ready_host, plan.port, body)
+        if observe is not None:
+            observe.engine_ready()
+
+    try:
+        report = supervisor.supervise(
+            engine,
+            ready_url=f"http://{ready_host}:{plan.port}/health",
+            ready_timeout_s=settings.ready_timeout_s,
+            drain_timeout_s=plan.drain_timeout_s,
+            log=logger,
+            on_ready=on_ready,
+            stop=stop,
+        )
+    finally:  # every way out (stop signal, engine death, exception) puts the GPUs back as found
+        if observe is not None:
+            observe.close()
+    return report.exit_code

@@ -1,0 +1,471 @@
+#!/usr/bin/env python3
+"""Write the reference tables in docs/ from the code, or check that the committed ones are current.
+
+    python scripts/gen_docs.py            # rewrite every generated table in docs/
+    python scripts/gen_docs.py --check    # exit 1, naming each page and table that differs; writes nothing
+
+A generated table sits between two marker comments in a page, e.g.
+
+    <!-- BEGIN GENERATED: env-vars -->
+    ...
+    <!-- END GENERATED: env-vars -->
+
+Everything outside the markers is written by hand and left alone. Every table is built at run time
+from the code (the typer app, ``settings.VARIABLES``, ``exposition.METRICS``, the trace record's
+field tables, the doctor's ``CHECKS``, the error classes, the shipped recipes), never from a list
+kept here. The output is deterministic: no timestamps, no machine-specific paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PACKAGE = "carbonforge_runtime"
+DOCS_DIR = REPO / "docs"
+PROG = "carbonforge-runtime"
+
+BEGIN = "<!-- BEGIN GENERATED: {} -->"
+END = "<!-- END GENERATED: {} -->"
+_MARKER = re.compile(r"<!-- (BEGIN|END) GENERATED: ([A-Za-z0-9_.-]+) -->")
+
+
+class GenerationError(Exception):
+    """The code is inconsistent in a way that makes a table impossible to generate."""
+
+
+# --- Markdown helpers ---------------------------------------------------------------------------
+
+
+def _cell(text: object) -> str:
+    """One table cell: a single line, with ``|`` escaped."""
+    return re.sub(r"\s+", " ", str(text)).strip().replace("|", "\\|")
+
+
+def _code(text: object) -> str:
+    text = str(text)
+    if not text:
+        return ""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def _rst_to_md(text: str) -> str:
+    """Docstrings use reST ``literals``; the docs use Markdown `literals`."""
+    return re.sub(r"``(.+?)``", r"`\1`", text)
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(value) for value in row) + " |")
+    return "\n".join(lines)
+
+
+def _first_paragraph(text: str | None) -> str:
+    if not text:
+        return ""
+    return re.split(r"\n\s*\n", inspect.cleandoc(text), maxsplit=1)[0]
+
+
+def _first_sentence(text: str) -> str:
+    paragraph = " ".join(_first_paragraph(text).split())
+    match = re.match(r"(.+?[.!?])(\s|$)", paragraph)
+    return match.group(1) if match else paragraph
+
+
+# --- commands (the typer app) -------------------------------------------------------------------
+
+_VALUE_KINDS = {"str": "text", "int": "integer", "float": "number", "Path": "path", "bool": "flag"}
+
+
+def _typer_root() -> Any:
+    import typer
+
+    from carbonforge_runtime.cli.main import app
+
+    return typer.main.get_command(app)
+
+
+def _walk(command: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every command under ``command`` (itself first), children sorted by name."""
+    found = [(path, command)]
+    children = getattr(command, "commands", None) or {}
+    for name in sorted(children):
+        child = children[name]
+        if not getattr(child, "hidden", False):
+            found.extend(_walk(child, (*path, name)))
+    return found
+
+
+def _value_kind(param: Any) -> str:
+    if getattr(param, "is_flag", False):
+        return "flag"
+    bare = param.bare_type() if hasattr(param, "bare_type") else getattr(getattr(param, "type", None), "name", "")
+    list_of = re.fullmatch(r"list\[(.+)\]", str(bare))
+    if list_of:
+        return _VALUE_KINDS.get(list_of.group(1), list_of.group(1)) + ", one or more"
+    return _VALUE_KINDS.get(str(bare), str(bare))
+
+
+def _param_name(param: Any) -> str:
+    if param.param_type_name == "argument":
+        name = (param.metavar or param.name).upper()
+        return _code(name + ("..." if param.nargs == -1 else ""))
+    return ", ".join(_code(opt) for opt in [*param.opts, *param.secondary_opts])
+
+
+def _param_default(param: Any) -> str:
+    if param.required:
+        return "required"
+    default = param.default
+    if getattr(param, "is_flag", False):
+        return "on" if default else "off"
+    if default is None or default == ():
+        return ""
+    return _code(default)
+
+
+def _param_rows(command: Any) -> list[tuple[str, str, str, str]]:
+    return [(_param_name(p), _value_kind(p), _param_default(p), _rst_to_md(getattr(p, "help", None) or ""))
+            for p in command.params if not getattr(p, "hidden", False)]
+
+
+def _command_help(command: Any) -> str:
+    text = inspect.cleandoc(command.help or "")
+    parts = [" ".join(paragraph.split()) for paragraph in re.split(r"\n\s*\n", text) if paragraph.strip()]
+    if getattr(command, "epilog", None):
+        parts.append(" ".join(command.epilog.split()))
+    return " ".join(parts)
+
+
+def commands_table() -> str:
+    """A summary of every command, then each command's arguments and options."""
+    commands = _walk(_typer_root())
+    out = [_table(["Command", "What it does"],
+                  ((_code(" ".join((PROG, *path))), _first_paragraph(cmd.help)) for path, cmd in commands))]
+    header = ["Argument or option", "Takes", "Default", "Meaning"]
+    for path, cmd in commands:
+        if getattr(cmd, "commands", None) and not cmd.params:
+            continue  # a group without options of its own: its commands follow
+        out.append(f"### `{' '.join((PROG, *path))}`")
+        out.append(_command_help(cmd))
+        rows = _param_rows(cmd)
+        out.append(_table(header, rows) if rows else "No arguments or options.")
+    return "\n\n".join(out)
+
+
+def runtime_flags_table() -> str:
+    """The serve options that make a container command line a runtime command line."""
+    from carbonforge_runtime.cli.main import RUNTIME_FLAGS
+
+    serve = _typer_root().commands.get("serve")
+    if serve is None:
+        raise GenerationError("the CLI has no serve command")
+    by_flag = {opt: p for p in serve.params if p.param_type_name == "option" for opt in p.opts}
+    unknown = [flag for flag in RUNTIME_FLAGS if flag not in by_flag]
+    if unknown:
+        raise GenerationError(f"RUNTIME_FLAGS names {', '.join(unknown)}, which serve does not take")
+    missing = sorted(set(by_flag) - set(RUNTIME_FLAGS))
+    if missing:
+        raise GenerationError(f"serve takes {', '.join(missing)}, which RUNTIME_FLAGS does not list")
+    rows = []
+    for flag in RUNTIME_FLAGS:
+        param = by_flag[flag]
+        rows.append((_code(flag), _value_kind(param), _param_default(param), _rst_to_md(param.help or "")))
+    return _table(["Flag", "Takes", "Default", "Meaning"], rows)
+
+
+# --- environment variables ----------------------------------------------------------------------
+
+
+def _env_default(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return _code("1" if value else "0")
+    if isinstance(value, float) and value.is_integer():
+        return _code(int(value))
+    text = str(value)
+    home = str(Path.home())
+    if home not in ("", "/") and (text == home or text.startswith(home + "/")):
+        text = "~" + text[len(home):]
+    return _code(text)
+
+
+def env_vars_table() -> str:
+    from carbonforge_runtime.settings import VARIABLES
+
+    rows = [(_code(var.name), _env_default(var.default), "yes" if var.departs_from_benchmark else "", var.doc)
+            for var in VARIABLES]
+    return _table(["Variable", "Default", "Departs from the benchmark", "Meaning"], rows)
+
+
+# --- recipes ------------------------------------------------------------------------------------
+
+
+def recipes_table() -> str:
+    from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
+
+    rows = []
+    for key, recipe in sorted(load_recipes([shipped_recipes_dir()]).items()):
+        model = recipe.model
+        if model.builtin:
+            shown = f"built-in `{model.builtin}`, generated locally"
+        else:
+            shown = _code(model.repo) + ("" if model.verified else " (unverified: nearest published)")
+        drain = f"{recipe.drain_timeout_s:g} s"
+        rows.append((_code(key), recipe.plan, shown, _code(recipe.scheduler.family), drain, recipe.description))
+    return _table(["Context key", "Plan", "Model", "Scheduler family", "Drain time", "Description"], rows)
+
+
+# --- Prometheus metrics -------------------------------------------------------------------------
+
+
+def metrics_table() -> str:
+    from carbonforge_runtime.runtime.metrics.exposition import METRICS
+
+    rows = [(_code(spec.exposed_name), spec.kind, ", ".join(_code(label) for label in spec.labels), spec.help)
+            for spec in METRICS]
+    return _table(["Metric", "Type", "Labels", "Meaning"], rows)
+
+
+# --- trace record -------------------------------------------------------------------------------
+
+
+def _trace_fields(group: str) -> Callable[[], str]:
+    def render() -> str:
+        from carbonforge_runtime.core import trace_record as tr
+
+        groups = {"standard": tr.STANDARD_FIELDS, "added": tr.EXTRA_FIELDS, "full": tr.FULL_FIELDS}
+        every = [name for names in groups.values() for name in names]
+        undocumented = [name for name in every if name not in tr.FIELD_MEANINGS]
+        unknown = sorted(set(tr.FIELD_MEANINGS) - set(every))
+        if undocumented or unknown:
+            raise GenerationError(f"FIELD_MEANINGS in trace_record.py is out of step with the field lists "
+                                  f"(no meaning: {undocumented}; not a field: {unknown})")
+        return _table(["Field", "Meaning"], ((_code(name), tr.FIELD_MEANINGS[name]) for name in groups[group]))
+
+    return render
+
+
+# --- doctor checks ------------------------------------------------------------------------------
+
+
+def doctor_checks_table() -> str:
+    from carbonforge_runtime.runtime.doctor.checks import CHECKS
+
+    rows = [(_code(info.name), info.section, info.looks_at, info.problem or "never: information only")
+            for info in CHECKS]
+    return _table(["Check (`name`)", "Section", "Looks at", "WARN or FAIL when"], rows)
+
+
+# --- exit codes ---------------------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def error_classes() -> list[type]:
+    """Every subclass of ``CarbonForgeError`` defined in the package, found by reading its source.
+
+    The source is read (not ``__subclasses__`` of what happens to be imported) so that the table
+    does not depend on import order; the modules found are then imported for the real classes.
+    """
+    from carbonforge_runtime.errors import CarbonForgeError
+
+    defined: list[tuple[str, str, set[str]]] = []
+    for path in sorted((REPO / PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                bases = {base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                         for base in node.bases}
+                defined.append((_module_name(path), node.name, bases))
+    family = {CarbonForgeError.__name__}
+    grew = True
+    while grew:
+        grew = False
+        for _, name, bases in defined:
+            if name not in family and bases & family:
+                family.add(name)
+                grew = True
+    found = []
+    for module, name, _ in defined:
+        if name in family:
+            cls = getattr(importlib.import_module(module), name, None)
+            if isinstance(cls, type) and issubclass(cls, CarbonForgeError):
+                found.append(cls)
+    return sorted(found, key=lambda cls: (cls.exit_code, cls.__name__, cls.__module__))
+
+
+def exit_codes_table() -> str:
+    rows = []
+    for cls in error_classes():
+        meaning = _rst_to_md(_first_sentence(inspect.getdoc(cls) or ""))
+        rows.append((_code(cls.exit_code), _code(cls.__name__), _code(cls.__module__), meaning))
+    return _table(["Exit code", "Error", "Defined in", "Raised when"], rows)
+
+
+# --- the pages ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generated:
+    page: str  # relative to the docs directory
+    render: Callable[[], str]
+
+
+#: Every generated table: its marker name, the page it lives in, and the function that builds it.
+TABLES: dict[str, Generated] = {
+    "commands": Generated("cli.md", commands_table),
+    "runtime-flags": Generated("cli.md", runtime_flags_table),
+    "env-vars": Generated("environment.md", env_vars_table),
+    "recipes": Generated("recipes.md", recipes_table),
+    "metrics": Generated("metrics-and-energy.md", metrics_table),
+    "trace-fields-standard": Generated("tracing.md", _trace_fields("standard")),
+    "trace-fields-added": Generated("tracing.md", _trace_fields("added")),
+    "trace-fields-full": Generated("tracing.md", _trace_fields("full")),
+    "doctor-checks": Generated("doctor.md", doctor_checks_table),
+    "exit-codes": Generated("exit-codes.md", exit_codes_table),
+}
+
+
+def _splice(text: str, name: str, body: str) -> tuple[str, str | None]:
+    """``text`` with the block ``name`` replaced by ``body``, or (text, problem) when the markers are wrong."""
+    begin, end = BEGIN.format(name), END.format(name)
+    if text.count(begin) != 1 or text.count(end) != 1:
+        return text, f"needs exactly one {begin} and one {end}"
+    start = text.index(begin) + len(begin)
+    stop = text.index(end)
+    if stop < start:
+        return text, f"{end} comes before {begin}"
+    # Blank lines around the body, so that Markdown never reads the markers as part of a table.
+    return text[:start] + "\n\n" + body.strip("\n") + "\n\n" + text[stop:], None
+
+
+@dataclass
+class Outcome:
+    pages: dict[Path, str]  # page -> the text it should have
+    problems: list[str]  # what cannot be generated or placed
+    broken: set[Path]  # pages with such a problem
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def generate(docs_dir: Path = DOCS_DIR) -> Outcome:
+    """What every page under ``docs_dir`` should hold, plus the problems that prevent it."""
+    docs_dir = Path(docs_dir)
+    pages: dict[Path, str] = {}
+    problems: list[str] = []
+    broken: set[Path] = set()
+
+    def problem(path: Path, text: str) -> None:
+        problems.append(f"{_shown(path)}: {text}")
+        broken.add(path)
+
+    for name, table in TABLES.items():
+        path = docs_dir / table.page
+        if path not in pages:
+            if not path.is_file():
+                problem(path, f"page missing (it holds the generated table {name!r})")
+                continue
+            pages[path] = path.read_text(encoding="utf-8")
+        try:
+            body = table.render()
+        except GenerationError as exc:
+            problem(path, f"cannot generate table {name!r}: {exc}")
+            continue
+        pages[path], wrong = _splice(pages[path], name, body)
+        if wrong:
+            problem(path, f"table {name!r} {wrong}")
+    for path in sorted(docs_dir.rglob("*.md")):
+        for match in _MARKER.finditer(path.read_text(encoding="utf-8")):
+            name = match.group(2)
+            if name not in TABLES or docs_dir / TABLES[name].page != path:
+                problem(path, f"marker for {name!r}, which gen_docs.py does not generate in this page")
+    return Outcome(pages, sorted(set(problems)), broken)
+
+
+def _blocks(text: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(
+        r"<!-- BEGIN GENERATED: ([A-Za-z0-9_.-]+) -->(.*?)<!-- END GENERATED: \1 -->", text, re.S)}
+
+
+def check(docs_dir: Path = DOCS_DIR) -> list[str]:
+    """One line per page and table that differs from what the code generates; empty when all are current."""
+    outcome = generate(docs_dir)
+    problems = list(outcome.problems)
+    for path, wanted in sorted(outcome.pages.items()):
+        current = path.read_text(encoding="utf-8")
+        if current == wanted:
+            continue
+        have, want = _blocks(current), _blocks(wanted)
+        names = sorted(name for name in want if have.get(name) != want[name])
+        for name in names:
+            problems.append(f"{_shown(path)}: table {name!r} differs from what the code generates")
+        if not names:
+            problems.append(f"{_shown(path)}: differs from what the code generates")
+    return problems
+
+
+def write(docs_dir: Path = DOCS_DIR) -> tuple[list[Path], list[str]]:
+    """Rewrite the generated tables; returns (pages changed, problems). Pages with a problem are left alone."""
+    outcome = generate(docs_dir)
+    changed = []
+    for path, wanted in sorted(outcome.pages.items()):
+        if path in outcome.broken:
+            continue
+        if path.read_text(encoding="utf-8") != wanted:
+            path.write_text(wanted, encoding="utf-8")
+            changed.append(path)
+    return changed, outcome.problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming every page and table that is not current")
+    parser.add_argument("--docs", type=Path, default=DOCS_DIR, help="the docs directory (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = check(args.docs)
+        for line in problems:
+            print(line, file=sys.stderr)
+        if problems:
+            print("docs are out of date: run `python scripts/gen_docs.py` and commit the result", file=sys.stderr)
+            return 1
+        print(f"docs: all {len(TABLES)} generated tables are current")
+        return 0
+    changed, problems = write(args.docs)
+    for path in changed:
+        print(f"wrote {_shown(path)}")
+    for line in problems:
+        print(line, file=sys.stderr)
+    if not changed and not problems:
+        print("docs: nothing to change")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
