@@ -32,7 +32,7 @@ def package_edges(graph: grimp.ImportGraph, depth: int) -> dict[str, set[str]]:
         edges.setdefault(source, set())
         for imported in graph.find_modules_directly_imported_by(module):
             target = group(imported, depth)
-            if target != source and target.startswith(PACKAGE):
+            if target != source and target.split(".")[0] == source.split(".")[0]:
                 edges[source].add(target)
     return edges
 

@@ -5,9 +5,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/setup.sh
 echo "== ruff"
-.venv/bin/ruff check carbonforge_runtime tests scripts docker
+.venv/bin/ruff check carbonforge_runtime tests scripts benchmarks docker
 echo "== mypy"
 .venv/bin/mypy
+echo "== import contracts"
+.venv/bin/lint-imports --no-cache
+.venv/bin/python scripts/import_graph.py --modules
 echo "== docs"
 .venv/bin/python scripts/gen_docs.py --check
 echo "== hadolint"

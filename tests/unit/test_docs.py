@@ -271,10 +271,11 @@ def test_the_doctor_check_table_names_every_check_the_code_makes() -> None:
 
 
 def test_the_metrics_table_is_what_the_page_exposes() -> None:
-    from carbonforge_runtime.engine.metrics_feed import EngineState, ReceiverStats
+    from carbonforge_runtime.core.feed_protocol import EngineCounters, EngineState
     from carbonforge_runtime.gpu.types import GpuReading
     from carbonforge_runtime.runtime.energy.controller import ControllerStatus
     from carbonforge_runtime.runtime.metrics.exposition import METRICS, PREFIX, families
+    from carbonforge_runtime.runtime.metrics.receiver import ReceiverStats
     from carbonforge_runtime.runtime.metrics.state import FamilyStats, Info, Snapshot
 
     stats = FamilyStats(prompt_tokens=10, output_tokens=5, energy_j=1.0, requests={"stop": 1})
@@ -283,7 +284,7 @@ def test_the_metrics_table_is_what_the_page_exposes() -> None:
     stats.e2e.observe(0.3)
     everything = Snapshot(
         families={"fcfs": stats},
-        engine=EngineState(steps=3, waiting=1, running=2, sinks={"file": (1, 0), "queue": (0, 1)}),
+        engine=EngineState(EngineCounters(steps=3, waiting=1, running=2), sinks={"file": (1, 0), "queue": (0, 1)}),
         engine_age_s=0.2,
         feed=ReceiverStats(messages=4),
         gpus=[GpuReading(0, "GPU-0", 300.0, 1e6, 1410, 1593, 60.0, 1 << 30, 400.0, False)],

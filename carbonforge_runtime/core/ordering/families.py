@@ -36,7 +36,7 @@ LTR_PARAMS = ("model", "learn", "prior_weight", "ridge", "max_weight", "max_keys
 #: Families only a benchmark may use: a recipe in the shipped recipes directory must not name them.
 BENCHMARK_ONLY = frozenset({"oracle"})
 #: Default ``cache_lookup_limit`` of the size-based families: a prefix-cache lookup costs 20-40 us
-#: per waiting request in vLLM (scripts/bench_scoring.py), so beyond this many waiting requests the
+#: per waiting request in vLLM (benchmarks/bench_scoring.py), so beyond this many waiting requests the
 #: uncached prompt size is approximated by the whole prompt (``affinity`` has its own ``max_queue``).
 DEFAULT_CACHE_LOOKUP_LIMIT = 16
 #: Default ``max_queue`` of ``affinity``: beyond it, arrival order (no lookups).

@@ -1,0 +1,215 @@
+"""Trace tools on traces the runtime wrote while serving the real vLLM CPU engine.
+
+One engine session (full-level trace, max_num_seqs 2) serves three phases: light sequential
+load, scripted multi-turn conversations run concurrently, and a burst far above two sequences.
+``summarize`` must call the light phase healthy and the burst queue-dominated, with percentiles
+matching the records; ``sessions`` must recover exactly the conversations that were sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from carbonforge_runtime.cli import main as cli
+from carbonforge_runtime.offline.trace_tools.sketch import ALPHA, MIN_VALUE
+from tests.support import TEST_RECIPES, TINY_SERVED_NAME, RuntimeProcess
+from tests.support.burst import send_burst
+
+KEY = "cf-tiny-q2:bf16:chat:cpu"
+LIGHT_REQUESTS = 6
+BURST_REQUESTS = 16
+BILLING = "You are the billing assistant. Be brief."
+SUPPORT = "You are the support assistant for Northwind Analytics. Answer from the provided context only."
+CONVERSATIONS: dict[str, tuple[str, list[str]]] = {
+    # Three billing conversations share the system prompt; two of them also share the first question.
+    "billing-a": (BILLING, ["Where do I find my invoice history?", "And past payment receipts?",
+                            "Can I export them?"]),
+    "billing-b": (BILLING, ["How do I change my card?", "Does it apply to the open invoice?", "Thanks."]),
+    "billing-c": (BILLING, ["Where do I find my invoice history?", "Only for 2025 please."]),
+    "support": (SUPPORT, ["My dashboard shows an overdue invoice.", "It was paid on the 19th.",
+                          "Please check again.", "Thank you."]),
+}
+
+runner = CliRunner()
+
+
+def lower_quantile(values: list[float], q: float) -> float:
+    """The nearest-rank quantile: the value of 1-based rank ceil(q * n) of the sorted values."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(round(q * len(ordered), 9)), 1) - 1]
+
+
+def within_bound(estimate: float, exact: float) -> bool:
+    if exact <= MIN_VALUE:
+        return abs(estimate - exact) <= MIN_VALUE
+    return abs(estimate - exact) <= ALPHA * exact * (1 + 1e-9)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_records(path: Path, count: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    records = read_records(path)
+    while len(records) < count and time.monotonic() < deadline:
+        time.sleep(0.5)
+        records = read_records(path)
+    assert len(records) >= count, f"the trace holds {len(records)} records, expected {count}"
+    return records
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    base = tmp_path_factory.mktemp("trace-tools-engine")
+    trace = base / "trace.jsonl"
+    runtime = RuntimeProcess(
+        ["--context-key", KEY, "--request-trace", "full", "--trace-file", str(trace)],
+        base / "logs", env={"CF_RECIPES_DIR": str(TEST_RECIPES)},
+    )
+    try:
+        runtime.start().wait_ready()
+        client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=180, max_retries=0)
+
+        def ask(messages: list[Any], max_tokens: int, ignore_eos: bool) -> tuple[str, str]:
+            response = client.chat.completions.create(
+                model=TINY_SERVED_NAME, messages=messages, max_tokens=max_tokens, temperature=1.0,
+                extra_body={"ignore_eos": ignore_eos},
+            )
+            return response.id, response.choices[0].message.content or ""
+
+        light = [ask([{"role": "user", "content": "Count slowly to ten."}], 96, True)[0]
+                 for _ in range(LIGHT_REQUESTS)]
+
+        def converse(name: str) -> list[str]:
+            system, questions = CONVERSATIONS[name]
+            messages: list[Any] = [{"role": "system", "content": system}]
+            ids = []
+            for question in questions:
+                messages.append({"role": "user", "content": question})
+                request_id, answer = ask(messages, 16, False)
+                messages.append({"role": "assistant", "content": answer})
+                ids.append(request_id)
+            return ids
+
+        with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+            sent = dict(zip(CONVERSATIONS, pool.map(converse, CONVERSATIONS), strict=True))
+
+        # From a child process, so the whole burst reaches the engine at once and queues there.
+        burst = send_burst(runtime.base_url, TINY_SERVED_NAME,
+                           [f"Burst request number {i}: write a long story." for i in range(BURST_REQUESTS)], 96)
+        total = LIGHT_REQUESTS + BURST_REQUESTS + sum(len(ids) for ids in sent.values())
+        records = wait_for_records(trace, total)
+        yield {"base": base, "trace": trace, "records": records, "light": light, "burst": burst,
+               "conversations": sent}
+    finally:
+        try:
+            if runtime.proc is not None and runtime.proc.poll() is None:
+                runtime.stop(timeout_s=60)
+        finally:
+            runtime.kill()
+
+
+def trace_id(record: dict[str, Any], client_ids: set[str]) -> str:
+    """The client's id for a record (the trace should carry it as is; tolerate an engine suffix)."""
+    rid = record["request_id"]
+    if rid in client_ids:
+        return rid
+    matches = [cid for cid in client_ids if rid.startswith(cid + "-")]
+    assert len(matches) == 1, f"trace request_id {rid} matches no client id"
+    return matches[0]
+
+
+def subset(traced: dict[str, Any], ids: list[str], name: str) -> tuple[Path, list[dict[str, Any]]]:
+    wanted = set(ids)
+    all_ids = set(traced["light"]) | set(traced["burst"]) | {i for v in traced["conversations"].values() for i in v}
+    chosen = [r for r in traced["records"] if trace_id(r, all_ids) in wanted]
+    assert len(chosen) == len(ids)
+    path = traced["base"] / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in chosen))
+    return path, chosen
+
+
+def summarize_json(*args: str) -> dict[str, Any]:
+    result = runner.invoke(cli.app, ["trace", "summarize", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert "warning" not in result.stderr, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_summarize_light_load_is_healthy_and_the_burst_is_queue_dominated(traced: dict[str, Any]) -> None:
+    light_path, light = subset(traced, traced["light"], "light.jsonl")
+    burst_path, burst = subset(traced, traced["burst"], "burst.jsonl")
+
+    light_summary = summarize_json(str(light_path))
+    assert light_summary["records"] == LIGHT_REQUESTS
+    assert {w["stats"]["verdict"]["code"] for w in light_summary["windows"]} == {"healthy"}, light_summary
+
+    burst_summary = summarize_json(str(burst_path), "--window", "1h")
+    assert burst_summary["records"] == BURST_REQUESTS
+    verdicts = [w["stats"]["verdict"]["code"] for w in burst_summary["windows"]]
+    assert "queue-dominated" in verdicts, burst_summary["windows"]
+    text = runner.invoke(cli.app, ["trace", "summarize", str(burst_path), "--window", "1h"]).stdout
+    assert "add capacity or reduce client concurrency" in text
+
+    # The figures agree with the records, computed here independently.
+    for summary, records in ((light_summary, light), (burst_summary, burst)):
+        overall = summary["overall"]
+        columns = {
+            "e2e_s": [r["e2e_latency_s"] for r in records],
+            "queue_wait_s": [r["queue_wait_s"] for r in records],
+            "engine_s": [r["e2e_latency_s"] - r["queue_wait_s"] for r in records],
+        }
+        ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+        if ttft:
+            columns["ttft_s"] = ttft
+        for name, values in columns.items():
+            for q, key in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+                assert within_bound(overall[name][key], lower_quantile(values, q)), (name, key)
+            assert overall[name]["max"] == pytest.approx(max(values))
+        assert overall["output_tokens"] == sum(r["output_tokens"] for r in records)
+        assert overall["queue_share"] == pytest.approx(sum(columns["queue_wait_s"]) / sum(columns["e2e_s"]))
+
+    # The whole trace, as written, reads without a bad line.
+    whole = summarize_json(str(traced["trace"]))
+    assert whole["records"] == len(traced["records"]) and whole["bad_lines"] == 0
+
+
+def test_sessions_recover_exactly_the_conversations_sent(traced: dict[str, Any]) -> None:
+    out = traced["base"] / "sessions.jsonl"
+    result = runner.invoke(cli.app, ["trace", "sessions", str(traced["trace"]), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    sent = traced["conversations"]
+    all_ids = set(traced["light"]) | set(traced["burst"]) | {i for ids in sent.values() for i in ids}
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for line in out.read_text().splitlines():
+        item = json.loads(line)
+        groups.setdefault(item["session_id"], []).append((item["turn"], trace_id(item, all_ids)))
+    found = sorted([rid for _, rid in sorted(members)] for members in groups.values())
+    expected = sorted([*sent.values(), *([rid] for rid in traced["light"]), *([rid] for rid in traced["burst"])])
+    assert found == expected
+    multi = len(CONVERSATIONS)
+    assert f"({multi} multi-turn, {LIGHT_REQUESTS + BURST_REQUESTS} single-turn); most turns: 4" in result.stdout
+
+
+def test_plot_of_the_served_trace_is_a_png(traced: dict[str, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    out = traced["base"] / "trace.png"
+    result = runner.invoke(cli.app, ["trace", "plot", str(traced["trace"]), "-o", str(out), "--window", "1s"])
+    assert result.exit_code == 0, result.output
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (1200, 900)

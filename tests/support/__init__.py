@@ -1,0 +1,188 @@
+"""Helpers for tests that run the real runtime (and the real vLLM CPU engine) as a process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_RECIPES = REPO / "tests" / "support" / "recipes"
+TINY_KEY = "cf-tiny:bf16:chat:cpu"
+TINY_SERVED_NAME = "carbonforge/tiny-chat"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tiny_model_dir() -> Path:
+    """One copy of the built-in tiny model for the whole test run."""
+    from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
+
+    base = Path(os.environ.get("CF_TEST_CACHE", Path.home() / ".cache" / "carbonforge-tests"))
+    return ensure_tiny_model(base / "tiny-chat")
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendants of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class RuntimeProcess:
+    """``python -m carbonforge_runtime ARGS`` with its output in ``log_dir/runtime.log``."""
+
+    def __init__(self, args: Sequence[str], log_dir: Path, port: int | None = None,
+                 env: Mapping[str, str] | None = None, python: Sequence[str] | None = None) -> None:
+        self.args = list(args)
+        self.log_dir = log_dir
+        self.port = port or free_port()
+        self.env = dict(os.environ)
+        self.env.update({
+            "CF_PORT": str(self.port),
+            "CF_HOST": "127.0.0.1",
+            "CF_LOG_DIR": str(log_dir),
+            "CF_TINY_MODEL_DIR": str(tiny_model_dir()),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        })
+        self.env.pop("CF_CONTEXT_KEY", None)
+        self.env.update(env or {})
+        self.python = list(python or [sys.executable, "-m", "carbonforge_runtime"])
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.known_children: set[int] = set()
+
+    @property
+    def output_path(self) -> Path:
+        return self.log_dir / "runtime.log"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> RuntimeProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with self.output_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [*self.python, *self.args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, cwd=REPO, start_new_session=True,
+            )
+        return self
+
+    def output(self) -> str:
+        try:
+            return self.output_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def engine_log(self) -> str:
+        try:
+            return (self.log_dir / "vllm.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 400.0) -> RuntimeProcess:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"runtime exited ({self.proc.returncode}) before ready:\n{self.output()}\n"
+                                     f"--- vllm.log tail ---\n{self.engine_log()[-4000:]}")
+            if "ready: OpenAI API" in self.output():
+                with contextlib.suppress(OSError), urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.port}/health", timeout=2
+                ) as resp:
+                    if resp.status == 200:
+                        self.known_children = descendants(self.proc.pid)
+                        return self
+            time.sleep(0.5)
+        self.kill()
+        raise AssertionError(f"runtime not ready within {timeout_s} s:\n{self.output()}\n"
+                             f"--- vllm.log tail ---\n{self.engine_log()[-4000:]}")
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"runtime still running after {timeout_s} s:\n{self.output()}") from None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        return self.wait(timeout_s)
+
+    def kill(self) -> None:
+        """Last-resort cleanup: the runtime's group and every engine process it started."""
+        pids = set(self.known_children)
+        if self.proc is not None:
+            pids |= descendants(self.proc.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+
+    def engine_pid(self) -> int:
+        """The runtime's direct child: vLLM's API server process."""
+        assert self.proc is not None
+        for pid in descendants(self.proc.pid):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                return pid
+        raise AssertionError("the runtime has no child process")
+
+    def leftover_children(self) -> set[int]:
+        return {pid for pid in self.known_children if alive(pid)}
+
+    def describe(self, pids: set[int]) -> str:
+        lines = []
+        for pid in sorted(pids):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            lines.append(f"pid {pid} state {stat[0]} ppid {stat[1]} pgid {stat[2]}: {cmd[:150]}")
+        return "\n".join(lines)

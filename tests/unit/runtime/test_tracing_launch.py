@@ -1,0 +1,141 @@
+"""Tracing flags at launch: validation before anything starts, and what reaches the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from carbonforge_runtime import log as cflog
+from carbonforge_runtime.cli import main as cli
+from carbonforge_runtime.core.contract import CONTRACT_ENV, SCHEDULER_CLS
+from carbonforge_runtime.errors import CarbonForgeError, UsageError
+from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
+from carbonforge_runtime.runtime.launch_plan import LaunchPlan, flags_in
+from carbonforge_runtime.runtime.serve import ServeOptions, _create_trace_file, describe_prepared, prepare
+from carbonforge_runtime.runtime.trace_options import TraceConfig
+from carbonforge_runtime.settings import load_settings
+from tests.support import REPO, TINY_KEY
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def runtime_log() -> Iterator[Lines]:
+    handler = Lines()
+    logger = cflog.get_logger()
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def prepared(options: ServeOptions, environ: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    env = dict(environ or {})
+    return prepare(options, load_settings(env), env, FakeGpuBackend(host("l4")))
+
+
+def engine_config(plan: LaunchPlan) -> dict[str, Any]:
+    """The engine contract as the engine process would receive it."""
+    data: dict[str, Any] = json.loads(plan.engine_env()[CONTRACT_ENV])
+    return data
+
+
+def test_recipe_mode_loads_the_shim_with_family_and_trace(tmp_path: Path, runtime_log: Lines) -> None:
+    trace = tmp_path / "t.jsonl"
+    ready = prepared(ServeOptions(context_key=TINY_KEY, request_trace="standard", trace_file=str(trace)))
+    plan = ready.plan
+    assert flags_in(plan.argv)["--scheduler-cls"] == SCHEDULER_CLS
+    config = engine_config(plan)
+    assert config["ordering"]["family"] == "fcfs"
+    assert isinstance(config["tracing"], dict)
+    assert config["tracing"]["level"] == "standard" and config["tracing"]["file"] == str(trace)
+    assert not trace.exists()  # preparing creates nothing; serve() creates the file before launch
+    assert "request trace:      standard -> file " + str(trace) in describe_prepared(ready, ServeOptions(), {})
+    assert [line for line in runtime_log.lines if "trace" in line.lower()] == [
+        f"request trace: standard -> file {trace}"]
+
+
+def test_override_mode_traces_with_the_fcfs_family(tmp_path: Path) -> None:
+    ready = prepared(ServeOptions(request_trace="full", trace_file=str(tmp_path / "t.jsonl"),
+                                  trace_endpoint="http://collector:4318", trace_format="otlp",
+                                  vllm_args=["/models/tiny", "--dtype", "bfloat16"]))
+    assert ready.plan.mode == "override"
+    assert flags_in(ready.plan.argv)["--scheduler-cls"] == SCHEDULER_CLS
+    config = engine_config(ready.plan)
+    assert config["ordering"]["family"] == "fcfs"
+    assert config["tracing"]["otlp"] == {"endpoint": "http://collector:4318/v1/traces", "protocol": "http/protobuf"}
+
+
+def test_sink_without_level_fails_before_launch(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as info:
+        prepared(ServeOptions(context_key=TINY_KEY, trace_file=str(tmp_path / "t.jsonl")))
+    assert "--request-trace is off" in info.value.message
+    result = CliRunner().invoke(cli.app, ["serve", "--context-key", TINY_KEY, "--trace-endpoint", "http://c:4317",
+                                          "--trace-format", "otlp"], env={"CF_LOG_DIR": str(tmp_path / "logs")})
+    assert result.exit_code == 2, result.output
+    assert "error: --trace-endpoint given but --request-trace is off" in result.output
+    assert "fix: add --request-trace standard" in result.output
+    assert not (tmp_path / "logs").exists()  # nothing was launched
+
+
+def test_level_without_sink_warns_once_and_traces_nothing(runtime_log: Lines) -> None:
+    ready = prepared(ServeOptions(context_key=TINY_KEY, request_trace="full"))
+    warnings = [line for line in runtime_log.lines if "no sink" in line]
+    assert len(warnings) == 1 and "tracing stays off" in warnings[0]
+    assert engine_config(ready.plan)["tracing"] is None
+    assert not [line for line in runtime_log.lines if "REQUEST TRACE LEVEL full" in line]
+
+
+def test_full_level_logs_a_prominent_warning(tmp_path: Path, runtime_log: Lines) -> None:
+    prepared(ServeOptions(context_key=TINY_KEY, request_trace="full", trace_file=str(tmp_path / "t.jsonl")))
+    banner = next(line for line in runtime_log.lines if "REQUEST TRACE LEVEL full" in line)
+    assert banner.count("!" * 20) >= 2 and str(tmp_path / "t.jsonl") in banner
+
+
+def test_unknown_family_fails_before_launch(tmp_path: Path) -> None:
+    recipe = (REPO / "recipes" / "cf-tiny--bf16--chat--cpu.yaml").read_text()
+    recipe = recipe.replace("key: cf-tiny:bf16:chat:cpu", "key: cf-tiny-odd:bf16:chat:cpu")
+    recipe = recipe.replace("family: fcfs", "family: no-such-family")
+    (tmp_path / "cf-tiny-odd--bf16--chat--cpu.yaml").write_text(recipe)
+    with pytest.raises(CarbonForgeError) as info:
+        prepared(ServeOptions(context_key="cf-tiny-odd:bf16:chat:cpu"), {"CF_RECIPES_DIR": str(tmp_path)})
+    assert "no-such-family" in info.value.message and "fcfs" in info.value.remedy
+
+
+def test_another_scheduler_class_replaces_ours(tmp_path: Path) -> None:
+    args = ["/models/tiny", "--scheduler-cls", "my.Scheduler"]
+    ready = prepared(ServeOptions(vllm_args=args))
+    assert flags_in(ready.plan.argv)["--scheduler-cls"] == "my.Scheduler"
+    assert ready.plan.argv.count("--scheduler-cls") == 1 and ready.plan.contract is None
+    assert CONTRACT_ENV not in ready.plan.engine_env()
+    assert any("not loaded" in note for note in ready.plan.notes)
+    with pytest.raises(UsageError, match="replaces it"):
+        prepared(ServeOptions(vllm_args=args, request_trace="standard", trace_file=str(tmp_path / "t")))
+
+
+def test_trace_file_is_created_before_launch_owner_only_at_full(tmp_path: Path) -> None:
+    full = tmp_path / "logs" / "full.jsonl"
+    _create_trace_file(TraceConfig(level="full", file=str(full)))
+    assert stat.S_IMODE(os.stat(full).st_mode) == 0o600
+    blocked = tmp_path / "dir.jsonl"
+    blocked.mkdir()
+    with pytest.raises(CarbonForgeError) as info:
+        _create_trace_file(TraceConfig(level="standard", file=str(blocked)))
+    assert "cannot create the trace file" in info.value.message and "--trace-file" in info.value.remedy
