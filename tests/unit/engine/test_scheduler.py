@@ -6,6 +6,8 @@ These tests build vLLM's own V1 scheduler (CPU config, the built-in tiny model's
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import time
@@ -225,3 +227,16 @@ def test_records_are_written_before_the_engine_leaves_its_loop_on_sigterm(
         assert engine.scheduler._cf_writer._closed
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_contract_of_another_version_stops_the_engine_start_with_a_clear_message(
+    vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from carbonforge_runtime.core.contract import CONTRACT_ENV, ContractError
+
+    monkeypatch.setenv(CONTRACT_ENV, json.dumps({"version": 99, "ordering": {"family": "fcfs", "params": {}}}))
+    with caplog.at_level(logging.ERROR, logger="vllm.carbonforge"), pytest.raises(ContractError) as refused:
+        Engine(vllm_parts, max_num_seqs=2)
+    assert "version mismatch" in refused.value.message and "99" in refused.value.message
+    assert "CarbonForge scheduler cannot start" in caplog.text
+    assert "same carbonforge-runtime installation" in caplog.text

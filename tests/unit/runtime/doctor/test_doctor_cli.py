@@ -17,7 +17,7 @@ from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.gpu.nvml import NvmlBackend
 from carbonforge_runtime.runtime.checks import PreflightFailed, preflight
-from carbonforge_runtime.runtime.doctor import FAIL, WARN
+from carbonforge_runtime.runtime.doctor import FAIL, WARN, DoctorRequest, diagnose
 from carbonforge_runtime.runtime.doctor.facts import EngineFacts
 from carbonforge_runtime.runtime.doctor.fake import FixedProbes
 from carbonforge_runtime.runtime.serve import ServeOptions, prepare, serve
@@ -192,3 +192,35 @@ def test_serve_dry_run_of_a_gpu_recipe_without_gpu_still_plans(capsys: pytest.Ca
     assert "vLLM command:" in captured.out
     assert "pre-flight: WARN  NVML could not be loaded" in captured.err
     assert "pre-flight: OK" not in captured.err and "  OK  " not in captured.err
+
+
+class RecordingProbes(FixedProbes):
+    """Fixed answers, and a list of every port asked about."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.asked: list[tuple[str, int, str]] = []
+
+    def port(self, purpose: str, host: str, port: int, setting: str):  # type: ignore[no-untyped-def]
+        self.asked.append((purpose, port, setting))
+        return super().port(purpose, host, port, setting)
+
+
+def test_a_moved_metrics_port_is_the_one_the_doctor_and_the_preflight_probe() -> None:
+    env = {"CF_METRICS_PORT": "9200"}
+    doctor_probes = RecordingProbes()
+    checks = diagnose(DoctorRequest(context_key=L4_KEY, metrics=True), env, FakeGpuBackend(host("l4")),
+                      probes=doctor_probes)
+    assert ("metrics", 9200, "CF_METRICS_PORT") in doctor_probes.asked
+    assert not [asked for asked in doctor_probes.asked if asked[1] == 9105]
+    assert any(c.name == "engine.metrics_port" and "9200" in c.detail for c in checks)
+
+    busy = RecordingProbes(busy_ports={9200: "another process is listening on it"})
+    with pytest.raises(PreflightFailed, match="metrics port 9200"):
+        run_preflight(ServeOptions(context_key=L4_KEY, metrics=True), FakeGpuBackend(host("l4")), busy, env=env)
+    assert ("metrics", 9200, "CF_METRICS_PORT") in busy.asked
+    # 9105 itself is not looked at once the port has moved
+    free_elsewhere = RecordingProbes(busy_ports={9105: "another process is listening on it"})
+    checks, _ = run_preflight(ServeOptions(context_key=L4_KEY, metrics=True), FakeGpuBackend(host("l4")),
+                              free_elsewhere, env=env)
+    assert checks == [] and ("metrics", 9200, "CF_METRICS_PORT") in free_elsewhere.asked

@@ -1,0 +1,106 @@
+"""Step 1 of serving, the plan: pure, built for every shipped recipe, and the one the launch runs."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shlex
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from carbonforge_runtime.core.contract import EngineContract
+from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
+from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
+from carbonforge_runtime.runtime import supervisor
+from carbonforge_runtime.runtime.plan import ServeOptions, build_plan, command_line
+from carbonforge_runtime.runtime.serve import serve
+from carbonforge_runtime.settings import load_settings
+
+SHIPPED: dict[str, Recipe] = load_recipes(recipe_dirs(None))
+
+
+class Touched(AssertionError):
+    pass
+
+
+@pytest.fixture
+def no_io(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Any file, process, socket or GPU access fails the test while the plan is built."""
+
+    def refuse(what: str) -> Any:
+        def fail(*args: object, **kwargs: object) -> None:
+            raise Touched(f"build_plan touched {what}: {args[:1]}")
+        return fail
+
+    monkeypatch.setattr(builtins, "open", refuse("a file"))
+    monkeypatch.setattr(os, "open", refuse("a file"))
+    monkeypatch.setattr(Path, "open", refuse("a file"))
+    monkeypatch.setattr(subprocess, "Popen", refuse("a process"))
+    monkeypatch.setattr(socket, "socket", refuse("a socket"))
+    monkeypatch.setattr(FakeGpuBackend, "snapshot", refuse("the GPUs"))
+    yield
+
+
+@pytest.mark.parametrize("key", sorted(SHIPPED))
+def test_every_shipped_recipe_plans_without_io(key: str, no_io: None) -> None:
+    settings = load_settings({"CF_TINY_MODEL_DIR": "/models/tiny"})
+    plan = build_plan(ServeOptions(context_key=key), settings, SHIPPED, {"PATH": "/usr/bin"})
+    recipe = SHIPPED[key]
+    launch = plan.launch
+    assert launch.recipe is recipe and launch.mode == "recipe"
+    assert launch.argv[launch.argv.index("--served-model-name") + 1] == recipe.model.served_name
+    assert launch.contract is not None and launch.contract.ordering.family == recipe.scheduler.family
+    assert dict(launch.contract.ordering.params) == dict(recipe.scheduler.params)
+    engine = EngineContract.from_environ(launch.engine_env())
+    assert engine == launch.contract  # what the engine will parse is what the plan holds
+    for name in recipe.vllm:
+        flag = name.replace("_", "-")
+        assert f"--{flag}" in launch.argv or f"--no-{flag}" in launch.argv, name
+    assert plan.trace is None and launch.env["PATH"] == "/usr/bin"
+
+
+def test_an_override_plans_without_io(no_io: None) -> None:
+    options = ServeOptions(vllm_args=["Qwen/Qwen2.5-0.5B-Instruct", "--max-num-seqs", "8"],
+                           request_trace="standard", trace_file="/var/log/carbonforge/t.jsonl")
+    plan = build_plan(options, load_settings({}), SHIPPED, {})
+    assert plan.launch.mode == "override" and plan.override_model == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert plan.launch.contract is not None and plan.launch.contract.tracing == plan.trace
+    assert plan.trace is not None and plan.trace.file == "/var/log/carbonforge/t.jsonl"
+
+
+class Launched(Exception):
+    pass
+
+
+def test_the_dry_run_prints_the_plan_that_serving_launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           tiny_model: str) -> None:
+    env = {"CF_LOG_DIR": str(tmp_path / "logs"), "CF_TINY_MODEL_DIR": tiny_model, "CF_PORT": "18123"}
+    settings = load_settings(env)
+    options = dict(context_key="cf-tiny:bf16:chat:cpu", request_trace="standard",
+                   trace_file=str(tmp_path / "t.jsonl"), skip_preflight=True)
+    assert serve(ServeOptions(**options, dry_run=True), settings, env, FakeGpuBackend(host(None))) == 0
+    printed = capsys.readouterr().out.splitlines()
+    dry_command = printed[printed.index("vLLM command:") + 1].strip()
+
+    started: list[supervisor.EngineProcess] = []
+
+    def capture(engine: supervisor.EngineProcess, **kwargs: object) -> supervisor.ExitReport:
+        started.append(engine)
+        raise Launched
+
+    monkeypatch.setattr(supervisor, "supervise", capture)
+    with pytest.raises(Launched):
+        serve(ServeOptions(**options), settings, env, FakeGpuBackend(host(None)))
+    assert len(started) == 1
+    assert shlex.join(started[0].argv) == dry_command
+    launched = EngineContract.from_environ(started[0].env)
+    assert launched.ordering.family == "fcfs" and launched.tracing is not None
+    assert launched.tracing.file == str(tmp_path / "t.jsonl")
+    plan = build_plan(ServeOptions(**options), settings, SHIPPED, env)
+    assert command_line(plan) == dry_command
