@@ -33,6 +33,7 @@ from carbonforge_runtime.runtime.doctor import (
     run_checks,
 )
 from carbonforge_runtime.runtime.doctor.report import REMEDY_PREFIX, check_line
+from carbonforge_runtime.runtime.licensing.core import format_time
 from carbonforge_runtime.runtime.licensing.gate import gate_override, gate_recipe
 from carbonforge_runtime.runtime.plan import ServeOptions, ServePlan
 from carbonforge_runtime.settings import Settings
@@ -58,7 +59,12 @@ class Verdicts:
 
     def describe(self) -> list[str]:
         """The verdicts' part of the dry run."""
-        out = [f"hardware mismatch:  {line}" for line in self.hardware_problems]
+        if self.licence is None:
+            out = ["licence:            not needed (free plan)"]
+        else:
+            out = [f"licence:            granted: {self.licence.licence_id} for {self.licence.licensee}, "
+                   f"expires {format_time(self.licence.expires_at)}"]
+        out += [f"hardware mismatch:  {line}" for line in self.hardware_problems]
         if self.preflight_ran:
             out.append(f"pre-flight:         {_preflight_summary(self.preflight)}")
         return out

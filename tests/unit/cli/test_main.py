@@ -114,3 +114,19 @@ def test_context_key_variable_ignored_once_arguments_are_given() -> None:
     assert done.stderr.count("CF_CONTEXT_KEY is ignored") == 1
     assert "mode:               override" in done.stdout
     assert "--model /models/m" in done.stdout
+
+
+def test_the_serve_flags_are_declared_once() -> None:
+    """ServeOptions is filled from the serve command's parameters by name, and the flags that make a
+    container command line a serve command line are read from the same command."""
+    import dataclasses
+
+    import typer.main
+
+    from carbonforge_runtime.runtime.plan import ServeOptions
+
+    serve_command = typer.main.get_command(cli.app).commands["serve"]  # type: ignore[attr-defined]
+    params = {p.name for p in serve_command.params if p.param_type_name == "option"}
+    assert {f.name for f in dataclasses.fields(ServeOptions)} == params | {"vllm_args"}
+    flags = {opt for p in serve_command.params if p.param_type_name == "option" for opt in p.opts}
+    assert set(cli.RUNTIME_FLAGS) == flags

@@ -87,6 +87,8 @@ def test_the_dry_run_prints_the_plan_that_serving_launches(monkeypatch: pytest.M
     assert serve(ServeOptions(**options, dry_run=True), settings, env, FakeGpuBackend(host(None))) == 0
     printed = capsys.readouterr().out.splitlines()
     dry_command = printed[printed.index("vLLM command:") + 1].strip()
+    assert "licence:            not needed (free plan)" in printed  # the checks' verdicts come with the plan
+    assert not [line for line in printed if line.startswith("pre-flight:")]  # skipped, so no verdict
 
     started: list[supervisor.EngineProcess] = []
 
