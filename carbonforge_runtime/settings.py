@@ -6,6 +6,7 @@ Nothing else in the package reads ``os.environ`` for these names: callers receiv
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ def _seconds(name: str, raw: str) -> float:
         value = float(raw.strip())
     except ValueError:
         value = -1.0
-    if value <= 0:
+    if not (value > 0 and math.isfinite(value)):  # nan and inf would remove the deadline
         raise OverrideError(f"{name}={raw!r} is not a positive number of seconds", f"set {name} to e.g. 600")
     return value
 

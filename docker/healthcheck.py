@@ -9,8 +9,10 @@ import urllib.request
 
 def main() -> int:
     port = os.environ.get("CF_PORT", "8000").strip() or "8000"
+    # Never through a proxy: the API is on this host.
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=4) as response:
+        with direct.open(f"http://127.0.0.1:{port}/health", timeout=4) as response:
             return 0 if response.status == 200 else 1
     except OSError:
         return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -22,15 +23,39 @@ def shipped_recipes_dir() -> Path:
     return here.parent / "recipes"
 
 
+#: A recipe is a page of YAML; anything far larger is not one.
+MAX_RECIPE_BYTES = 256 * 1024
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The safe loader, refusing aliases (a recipe needs none; an alias bomb would exhaust memory)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(
+                None, None, "YAML aliases (*name) are not allowed in a recipe", event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def load_recipe_file(path: Path) -> Recipe:
     try:
+        if not path.is_file():
+            raise RecipeError(f"{path}: is not a regular file", "recipes are YAML files (*.yaml)")
+        size = path.stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"{path}: {size} bytes is too large for a recipe (at most {MAX_RECIPE_BYTES})",
+                              "a recipe is one small YAML document: check that the right file is named")
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise RecipeError(f"{path}: cannot be read ({exc.strerror})", "check the file's permissions") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: is not UTF-8 text", "save the recipe as UTF-8 YAML") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML ({exc})", "fix the YAML syntax") from None
+        raise RecipeError(f"{path}: not valid YAML ({exc})", "fix the YAML syntax (recipes use no anchors or "
+                          "aliases)") from None
     return recipe_from_mapping(data, path)
 
 

@@ -177,8 +177,9 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
         )
 
     drain = top.get("drain_timeout_s", (int, float), default=30.0)
-    if drain <= 0:
-        raise top.fail("drain_timeout_s", "must be positive")
+    if not drain > 0 or not float(drain).is_integer():
+        # vLLM's --shutdown-timeout takes whole seconds.
+        raise top.fail("drain_timeout_s", f"must be a positive whole number of seconds, got {drain!r}")
 
     sched = top.section("scheduler", required=False)
     sched.reject_unknown({"family", "params"})

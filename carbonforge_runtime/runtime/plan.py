@@ -30,6 +30,10 @@ from carbonforge_runtime.runtime.model_arg import model_from_args
 from carbonforge_runtime.runtime.trace_options import resolve_trace_options
 from carbonforge_runtime.settings import Settings
 
+#: Secrets the runtime reads and the engine never needs: kept out of the engine's environment (and so
+#: out of /proc/<pid>/environ of every vLLM process).
+RUNTIME_ONLY_VARIABLES = frozenset({"CARBONFORGE_LICENSE_KEY"})
+
 
 @dataclass
 class ServeOptions:
@@ -77,7 +81,8 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     that cannot be served. ``environ`` is the runtime's environment, which the engine inherits."""
     messages: list[Message] = []
     trace = _trace_config(options, environ, cwd, messages)
-    base_env = dict(environ)
+    # The engine inherits the runtime's environment, less what only the runtime may read.
+    base_env = {name: value for name, value in environ.items() if name not in RUNTIME_ONLY_VARIABLES}
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     if options.context_key:
         recipe = resolve(options.context_key, recipes)

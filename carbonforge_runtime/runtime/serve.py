@@ -100,7 +100,15 @@ def create_trace_file(path: str, private: bool) -> bool:
     readable by its owner only. Returns True when an existing file's mode was tightened."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600 if private else 0o644)
+    try:
+        existing = os.stat(path)
+    except FileNotFoundError:
+        existing = None
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        raise IsADirectoryError(f"{path} is not a regular file")
+    # Non-blocking: a FIFO without a reader fails at once (ENXIO) instead of blocking the launch.
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = os.open(path, flags, 0o600 if private else 0o644)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

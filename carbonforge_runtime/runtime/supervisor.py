@@ -98,9 +98,14 @@ def hint_for(lines: Sequence[str]) -> str | None:
     return None
 
 
+#: Probes of our own engine go straight to it: an ``http_proxy`` in the environment (common on
+#: corporate hosts) must not route a loopback health check through a proxy.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
             return bool(200 <= response.status < 300)
     except (urllib.error.URLError, OSError, ValueError):
         return False

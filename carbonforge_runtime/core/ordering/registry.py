@@ -15,6 +15,11 @@ from carbonforge_runtime.errors import UsageError
 
 def _arrival_order(name: str) -> Callable[[Mapping[str, Any]], Family]:
     def factory(params: Mapping[str, Any]) -> Family:
+        if params:
+            raise UsageError(
+                f"scheduler family {name!r} takes no parameters, got {', '.join(sorted(map(str, params)))}",
+                "remove scheduler.params from the recipe (or set it to {}), or pick a family that takes them",
+            )
         return ArrivalOrder(name)
 
     return factory

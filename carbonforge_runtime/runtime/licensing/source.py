@@ -85,6 +85,10 @@ def read_license(settings: Settings) -> LicenseSource:
                              problem="it is a directory, not a file (a bind mount of a host file that "
                                      "did not exist creates a directory)")
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            # A FIFO or a device would block the read (or never end): refuse before opening it.
+            return LicenseSource(origin=str(path), text=None,
+                                 problem="it is not a regular file (a FIFO, socket or device)")
         with path.open("rb") as handle:
             data = handle.read(MAX_FILE_READ_BYTES + 1)
     except PermissionError:

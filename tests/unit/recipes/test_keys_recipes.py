@@ -100,7 +100,9 @@ def _valid() -> dict:
      (lambda d: d.update(key="qwen3-32b:fp8:chat"), "'key' is not a valid context key"),
      (lambda d: d["model"].pop("repo"), "'model.repo' is missing"),
      (lambda d: d.update(hardware={"family": "h100", "count": 1}), "'hardware.family' disagrees"),
-     (lambda d: d.update(drain_timeout_s=0), "'drain_timeout_s' must be positive")],
+     (lambda d: d.update(drain_timeout_s=0), "'drain_timeout_s' must be a positive whole number"),
+     (lambda d: d.update(drain_timeout_s=2.5), "'drain_timeout_s' must be a positive whole number of seconds, "
+                                               "got 2.5")],
 )
 def test_recipe_validation_names_file_and_field(tmp_path: Path, mutate, field: str) -> None:
     data = _valid()
@@ -122,6 +124,31 @@ def test_invalid_yaml_and_duplicate_keys(tmp_path: Path) -> None:
     _write(tmp_path, _valid(), "b.yaml")
     with pytest.raises(RecipeError, match="also defined in"):
         load_recipes([tmp_path])
+
+
+def test_yaml_aliases_and_oversized_files_are_refused_at_load(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.yaml"
+    lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
+              for i in range(9)]
+    bomb.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RecipeError, match="aliases") as info:
+        load_recipe_file(bomb)
+    assert str(bomb) in info.value.message
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("# " + "x" * (300 * 1024) + "\n")
+    with pytest.raises(RecipeError, match="too large for a recipe"):
+        load_recipe_file(huge)
+
+
+def test_fcfs_refuses_parameters_it_does_not_take(tmp_path: Path) -> None:
+    from carbonforge_runtime.core.ordering.registry import make_family
+    from carbonforge_runtime.errors import UsageError
+
+    assert make_family("fcfs", {}).name == "fcfs"
+    with pytest.raises(UsageError, match="takes no parameters, got aging_rate") as info:
+        make_family("fcfs", {"aging_rate": 3})
+    assert "scheduler.params" in info.value.remedy
 
 
 def test_extra_directory_wins_over_shipped(tmp_path: Path) -> None:

@@ -106,3 +106,13 @@ def test_the_dry_run_prints_the_plan_that_serving_launches(monkeypatch: pytest.M
     assert launched.tracing.file == str(tmp_path / "t.jsonl")
     plan = build_plan(ServeOptions(**options), settings, SHIPPED, env)
     assert command_line(plan) == dry_command
+
+
+def test_the_licence_key_stays_out_of_the_engine_environment() -> None:
+    environ = {"CARBONFORGE_LICENSE_KEY": "secret-licence-text", "HF_TOKEN": "hf_x", "PATH": "/usr/bin"}
+    for options in (ServeOptions(context_key="cf-tiny:bf16:chat:cpu"), ServeOptions(vllm_args=["/models/m"])):
+        plan = build_plan(options, load_settings(environ), SHIPPED, environ)
+        engine_env = plan.launch.engine_env()
+        assert "CARBONFORGE_LICENSE_KEY" not in engine_env
+        assert "secret-licence-text" not in "".join(engine_env.values())
+        assert engine_env["HF_TOKEN"] == "hf_x" and engine_env["PATH"] == "/usr/bin"  # what vLLM needs stays

@@ -139,3 +139,12 @@ def test_trace_file_is_created_before_launch_owner_only_at_full(tmp_path: Path) 
     with pytest.raises(CarbonForgeError) as info:
         _create_trace_file(TraceConfig(level="standard", file=str(blocked)))
     assert "cannot create the trace file" in info.value.message and "--trace-file" in info.value.remedy
+
+
+@pytest.mark.timeout(10)  # without the check, this open would block forever
+def test_a_fifo_as_trace_file_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(CarbonForgeError) as refused:  # no reader: an open for writing would block forever
+        _create_trace_file(TraceConfig(level="standard", file=str(fifo)))
+    assert "is not a regular file" in refused.value.message and "--trace-file" in refused.value.remedy

@@ -93,6 +93,14 @@ def test_directory_instead_of_file(shared_dir: Path) -> None:
     assert source.text is None and source.problem is not None and "directory" in source.problem
 
 
+@pytest.mark.timeout(10)  # without the check, this open would block forever
+def test_a_fifo_as_licence_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "license.key"
+    os.mkfifo(fifo)  # nobody writes to it: reading it would block forever
+    source = read_license(settings_for(CF_LICENSE_FILE=str(fifo)))
+    assert source.text is None and source.problem is not None and "not a regular file" in source.problem
+
+
 def test_unreadable_file_gives_the_documented_message_and_the_variable_works(
         shared_dir: Path, licence: str, premium: Recipe) -> None:
     path = shared_dir / "license.key"

@@ -1,0 +1,23 @@
+"""Every variable is parsed once, and a value that cannot be meant is refused before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from carbonforge_runtime.errors import OverrideError
+from carbonforge_runtime.settings import load_settings
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0", "-5", "soon"])
+def test_a_deadline_must_be_a_finite_positive_number(raw: str) -> None:
+    with pytest.raises(OverrideError, match="CF_READY_TIMEOUT_S") as info:
+        load_settings({"CF_READY_TIMEOUT_S": raw})
+    assert "set CF_READY_TIMEOUT_S" in info.value.remedy
+
+
+def test_typed_values_and_defaults() -> None:
+    settings = load_settings({"CF_READY_TIMEOUT_S": "90", "CF_METRICS_PORT": "9200", "CF_VLLM_EXTRA_ARGS": "--a 'b c'"})
+    assert settings.ready_timeout_s == 90.0 and settings.metrics_port == 9200
+    assert settings.vllm_extra_args == ["--a", "b c"]
+    assert load_settings({}).metrics_port == 9105 and load_settings({}).fake_nvml is None
+    assert not load_settings({}).is_set("CF_METRICS_PORT")
