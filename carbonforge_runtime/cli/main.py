@@ -156,6 +156,7 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
     """The resolved recipe and the exact vLLM command line it runs."""
     import shlex
 
+    from carbonforge_runtime.core.redaction import redact_args
     from carbonforge_runtime.runtime.launch_plan import build_recipe_plan
     from carbonforge_runtime.runtime.serve import load_all_recipes
 
@@ -169,7 +170,7 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
         model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
         plan = build_recipe_plan(recipe, settings, [], model_path=model_path)
         typer.echo("\n# vLLM command")
-        typer.echo(shlex.join(plan.argv))
+        typer.echo(shlex.join(redact_args(plan.argv)))
 
     _guard(run)
 

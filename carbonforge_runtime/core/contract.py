@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+from carbonforge_runtime.core.redaction import redact_url
 from carbonforge_runtime.errors import UsageError
 
 #: The variable that carries the contract. Internal: set by the runtime, never by hand.
@@ -155,7 +156,7 @@ def full_level_banner_lines(config: TraceConfig) -> list[str]:
     if config.file:
         sinks.append(config.file)
     if config.otlp:
-        sinks.append(f"{config.otlp.endpoint} (OTLP {config.otlp.protocol})")
+        sinks.append(f"{redact_url(config.otlp.endpoint)} (OTLP {config.otlp.protocol})")
     return [
         "REQUEST TRACE LEVEL full: raw prompt and output text of every request is being written",
         f"to {' and '.join(sinks)}.",

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from carbonforge_runtime.core.contract import PROTOCOL_GRPC, MetricsFeed, OtlpTarget, TraceConfig
+from carbonforge_runtime.core.redaction import redact_url
 
 #: The OTLP resource's service name and the name of every span (one span per request).
 SERVICE_NAME = "carbonforge-scheduler"
@@ -147,7 +148,7 @@ class OtlpSink:
     def __init__(self, target: OtlpTarget, timeout_s: float) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self.name = f"OTLP {target.protocol} {target.endpoint}"
+        self.name = f"OTLP {target.protocol} {redact_url(target.endpoint)}"
         self._tracer: Any = None
         self._collected: list[Any] = []
         self._exporter: Any = None
@@ -209,9 +210,9 @@ class OtlpSink:
         try:
             result = self._exporter.export(self._spans(records))
         except Exception as exc:  # an exporter bug must not end the writer thread
-            raise SinkError(f"export to {self.target.endpoint} failed: {exc}") from None
+            raise SinkError(f"export to {redact_url(self.target.endpoint)} failed: {exc}") from None
         if result != self._ok:
-            raise SinkError(f"export to {self.target.endpoint} failed (collector unreachable or refused)")
+            raise SinkError(f"export to {redact_url(self.target.endpoint)} failed (collector unreachable or refused)")
 
     def close(self) -> None:
         if self._exporter is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from carbonforge_runtime.core.contract import SCHEDULER_CLS, EngineContract, Ordering, TraceConfig
+from carbonforge_runtime.core.redaction import redact_args, secrets_to_env
 from carbonforge_runtime.recipes.model import VLLM_KNOBS, Recipe
 from carbonforge_runtime.settings import Settings, VarName
 
@@ -142,6 +143,11 @@ def build_recipe_plan(
     ``trace`` is the validated request-trace configuration handed to the scheduler."""
     knobs = {name: Knob(name, value, SOURCE_RECIPE) for name, value in recipe.vllm.items()}
     departures: list[str] = []
+    # Secret flags among the extra arguments reach vLLM through its environment instead.
+    env_extra, env_secrets, secret_notes = secrets_to_env(settings.vllm_extra_args)
+    extra_args, more_secrets, more_notes = secrets_to_env(extra_args)
+    env_secrets.update(more_secrets)
+    secret_notes += more_notes
     for var, name in KNOB_OVERRIDES.items():
         if settings.is_set(var):
             new = settings.value(var)
@@ -149,13 +155,12 @@ def build_recipe_plan(
             knobs[name] = Knob(name, new, var)
             departures.append(f"{var} departs from the benchmark: {name} {old} (recipe) -> {new}")
 
-    env_extra = settings.vllm_extra_args
-    extras = [Knob(" ".join(args), list(args), source)
+    extras = [Knob(" ".join(redact_args(args)), redact_args(args), source)
               for source, args in ((SOURCE_ENV_EXTRA, env_extra), (SOURCE_EXTRA, list(extra_args))) if args]
     if env_extra:
-        departures.append(f"CF_VLLM_EXTRA_ARGS departs from the benchmark: adds {' '.join(env_extra)}")
+        departures.append(f"CF_VLLM_EXTRA_ARGS departs from the benchmark: adds {' '.join(redact_args(env_extra))}")
     if extra_args:
-        departures.append(f"extra vLLM flags depart from the benchmark: adds {' '.join(extra_args)}")
+        departures.append(f"extra vLLM flags depart from the benchmark: adds {' '.join(redact_args(extra_args))}")
     # Appended flags win in vLLM's parser; record that as the knob's provenance.
     for source, args in ((SOURCE_ENV_EXTRA, env_extra), (SOURCE_EXTRA, list(extra_args))):
         for flag, value in flags_in(args).items():
@@ -188,6 +193,7 @@ def build_recipe_plan(
     argv += env_extra + list(extra_args)
 
     env = dict(base_env or {})
+    env.update(env_secrets)
     for name, value in recipe.env.items():
         env.setdefault(name, value)
     return LaunchPlan(
@@ -203,7 +209,7 @@ def build_recipe_plan(
         argv=argv,
         env=env,
         departures=departures,
-        notes=sched_notes,
+        notes=[*secret_notes, *sched_notes],
         scheduler_family=recipe.scheduler.family,
         scheduler_params=dict(recipe.scheduler.params),
         contract=contract,
@@ -226,13 +232,13 @@ def build_override_plan(
 ) -> LaunchPlan:
     """The full-override mode: the user's arguments are vLLM's, the runtime only adds what it
     must (an explicit served model name, the port) and says so in ``notes``."""
-    args = list(args)
+    args, env_secrets, secret_notes = secrets_to_env(list(args))
     if args and not args[0].startswith("-"):
         # `vllm serve MODEL ...` takes the model positionally; the API server module wants --model.
         args = ["--model", args[0], *args[1:]]
     argv = [*engine_prefix(), *args]
     given = flags_in(args)
-    notes: list[str] = []
+    notes: list[str] = list(secret_notes)
     served = given.get("--served-model-name")
     if not served:
         served = model
@@ -270,9 +276,9 @@ def build_override_plan(
         port=port,
         drain_timeout_s=max(drain, 1.0),
         knobs=[],
-        extra_args=[Knob(" ".join(args), list(args), SOURCE_USER)] if args else [],
+        extra_args=[Knob(" ".join(redact_args(args)), redact_args(args), SOURCE_USER)] if args else [],
         argv=argv,
-        env=dict(base_env or {}),
+        env={**(base_env or {}), **env_secrets},
         notes=notes,
         contract=contract,
     )

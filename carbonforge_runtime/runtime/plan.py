@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from carbonforge_runtime.core.contract import TraceConfig, full_level_banner_lines
 from carbonforge_runtime.core.ordering.registry import make_family
+from carbonforge_runtime.core.redaction import redact_args, redact_url
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, resolve
 from carbonforge_runtime.runtime.launch_plan import (
@@ -142,7 +143,7 @@ def describe_trace(trace: TraceConfig | None, options: ServeOptions) -> str:
     if trace.file:
         sinks.append(f"file {trace.file}")
     if trace.otlp:
-        sinks.append(f"OTLP {trace.otlp.protocol} {trace.otlp.endpoint}")
+        sinks.append(f"OTLP {trace.otlp.protocol} {redact_url(trace.otlp.endpoint)}")
     return f"{trace.level} -> {', '.join(sinks)}"
 
 
@@ -187,5 +188,5 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
 
 
 def command_line(plan: ServePlan) -> str:
-    """The vLLM command the launch runs, as one shell line."""
-    return shlex.join(plan.launch.argv)
+    """The vLLM command the launch runs, as one shell line (secrets redacted)."""
+    return shlex.join(redact_args(plan.launch.argv))

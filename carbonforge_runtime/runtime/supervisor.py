@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from carbonforge_runtime.core.redaction import redact_args
+
 #: After SIGTERM the engine gets its drain time plus this much to exit before SIGKILL.
 SHUTDOWN_GRACE_S = 15.0
 #: After the API server has exited, its engine processes get this long to finish exiting.
@@ -138,7 +140,7 @@ class EngineProcess:
         with self.log_path.open("ab") as log:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             log.write(f"\n===== carbonforge-runtime starting vLLM at {stamp} =====\n".encode())
-            log.write(("$ " + " ".join(self.argv) + "\n").encode())
+            log.write(("$ " + " ".join(redact_args(self.argv)) + "\n").encode())
             log.flush()
             self._proc = subprocess.Popen(
                 self.argv,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 from carbonforge_runtime.core.contract import PROTOCOL_GRPC, PROTOCOL_HTTP, PROTOCOLS, OtlpTarget, TraceConfig
+from carbonforge_runtime.core.redaction import redact_url
 from carbonforge_runtime.core.trace_record import LEVEL_OFF, LEVELS
 from carbonforge_runtime.errors import UsageError
 
@@ -61,14 +62,14 @@ def otlp_target(endpoint: str, environ: Mapping[str, str]) -> OtlpTarget:
     parts = urlsplit(text if "://" in text else f"http://{text}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError(
-            f"--trace-endpoint {endpoint!r} is not a collector URL",
+            f"--trace-endpoint {redact_url(endpoint)!r} is not a collector URL",
             "give the OTLP collector as http://HOST:4317 (gRPC) or http://HOST:4318 (HTTP/protobuf)",
         )
     try:
         port = parts.port
     except ValueError:
         raise UsageError(
-            f"--trace-endpoint {endpoint!r} has an invalid port",
+            f"--trace-endpoint {redact_url(endpoint)!r} has an invalid port",
             "give the OTLP collector as http://HOST:4317 (gRPC) or http://HOST:4318 (HTTP/protobuf)",
         ) from None
     protocol = None
@@ -147,7 +148,7 @@ def resolve_trace_options(
         if missing:
             warnings.append(
                 "the OpenTelemetry SDK is not installed (" + ", ".join(missing) + "): every span for "
-                f"{target.endpoint} will be dropped and counted; install opentelemetry-sdk and "
+                f"{redact_url(target.endpoint)} will be dropped and counted; install opentelemetry-sdk and "
                 "opentelemetry-exporter-otlp into the serving environment"
             )
     return TraceDecision(TraceConfig(level=level, file=path, otlp=target), warnings)

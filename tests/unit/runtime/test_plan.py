@@ -116,3 +116,40 @@ def test_the_licence_key_stays_out_of_the_engine_environment() -> None:
         assert "CARBONFORGE_LICENSE_KEY" not in engine_env
         assert "secret-licence-text" not in "".join(engine_env.values())
         assert engine_env["HF_TOKEN"] == "hf_x" and engine_env["PATH"] == "/usr/bin"  # what vLLM needs stays
+
+
+def test_an_api_key_in_the_extra_arguments_never_reaches_argv_or_the_dry_run(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    environ = {"CF_VLLM_EXTRA_ARGS": "--api-key sekrit-key-1 --max-num-seqs 4", "CF_TINY_MODEL_DIR": "/m",
+               "CF_LOG_DIR": str(tmp_path)}
+    settings = load_settings(environ)
+    options = ServeOptions(context_key="cf-tiny:bf16:chat:cpu", dry_run=True, skip_preflight=True,
+                           vllm_args=["--api-key=sekrit-key-2"])
+    plan = build_plan(options, settings, SHIPPED, environ)
+    assert not [arg for arg in plan.launch.argv if "sekrit" in arg]
+    assert plan.launch.engine_env()["VLLM_API_KEY"] in ("sekrit-key-1", "sekrit-key-2")
+    assert "--max-num-seqs" in plan.launch.argv
+    assert serve(options, settings, environ, FakeGpuBackend(host(None))) == 0
+    printed = capsys.readouterr()
+    assert "sekrit" not in printed.out + printed.err
+    override = build_plan(ServeOptions(vllm_args=["/m", "--api-key", "sekrit-3"],
+                                       request_trace="standard", trace_file="/tmp/t.jsonl",
+                                       trace_endpoint="https://user:tok3n@collector:4318", trace_format="otlp"),
+                          settings, SHIPPED, {})
+    assert "sekrit-3" not in " ".join(override.launch.argv)
+    assert override.launch.engine_env()["VLLM_API_KEY"] == "sekrit-3"
+    assert not [m for m in override.messages if "tok3n" in m.text or "sekrit" in m.text]
+
+
+def test_the_engine_log_shows_the_command_with_secrets_redacted(tmp_path: Path) -> None:
+    import sys
+    import time as clock
+
+    log = tmp_path / "vllm.log"
+    engine = supervisor.EngineProcess([sys.executable, "-c", "pass", "--api-key", "sekrit-4"], {}, log)
+    engine.start()
+    deadline = clock.monotonic() + 30
+    while engine.poll() is None and clock.monotonic() < deadline:
+        clock.sleep(0.05)
+    text = log.read_text()
+    assert "--api-key <redacted>" in text and "sekrit-4" not in text
