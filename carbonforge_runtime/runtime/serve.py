@@ -174,6 +174,9 @@ def serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str],
         print(describe_prepared(prepared, options, environ))
         return 0
 
+    if stop.set:  # a stop signal while the launch was prepared: start nothing
+        logger.info("stop signal received during preparation: vLLM is not started")
+        return 0
     log_dir = _log_dir(settings)
     _create_trace_file(prepared.trace)
     if plan.recipe and plan.recipe.model.builtin:

@@ -28,6 +28,8 @@ SHUTDOWN_GRACE_S = 15.0
 #: After the API server has exited, its engine processes get this long to finish exiting.
 STRAGGLER_GRACE_S = 5.0
 POLL_INTERVAL_S = 0.5
+#: A stop before the engine is ready: how long the API server gets to exit before SIGKILL.
+EARLY_STOP_GRACE_S = 2.0
 PROGRESS_INTERVAL_S = 10.0
 
 _PR_SET_PDEATHSIG = 1
@@ -180,9 +182,10 @@ class EngineProcess:
             return True
         return True
 
-    def stop(self, drain_s: float) -> tuple[int | None, bool]:
-        """SIGTERM the engine's API server, wait up to the drain time plus a grace period, then
-        SIGKILL the whole group.
+    def stop(self, drain_s: float, grace_s: float = SHUTDOWN_GRACE_S,
+             escalate: Callable[[], bool] = lambda: False) -> tuple[int | None, bool]:
+        """SIGTERM the engine's API server, wait up to the drain time plus ``grace_s``, then
+        SIGKILL the whole group; SIGKILL at once as soon as ``escalate()`` is true (a second signal).
 
         Only the leader is signalled: it drains in-flight requests and then shuts its own engine
         processes down in order. Signalling the whole group would kill the engine core and its
@@ -193,7 +196,10 @@ class EngineProcess:
         if self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGTERM)
-        code = self.wait(drain_s + SHUTDOWN_GRACE_S)
+        deadline = time.monotonic() + drain_s + grace_s
+        code = self._proc.poll()
+        while code is None and time.monotonic() < deadline and not escalate():
+            code = self.wait(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0.0)))
         killed = code is None
         if killed:
             self.signal_group(signal.SIGKILL)
@@ -207,13 +213,21 @@ class EngineProcess:
 
 
 class StopFlag:
-    """Set from a signal handler; polled by the supervision loop."""
+    """Set from a signal handler; polled by the supervision loop. The first SIGTERM or SIGINT asks
+    for a drain; a second one asks to stop at once."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.count = 0
 
     def __call__(self, signum: int, _frame: object) -> None:
         self.signal = signum
+        self.count += 1
+
+    @property
+    def again(self) -> bool:
+        """A second signal arrived: stop without waiting for the drain."""
+        return self.count >= 2
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self)
@@ -234,6 +248,10 @@ def supervise(
     stop: StopFlag,
 ) -> ExitReport:
     """Start the engine, wait for readiness, serve until a signal or the engine's death."""
+    if stop.set:  # the signal came while the launch was being prepared: start nothing
+        log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was started: "
+                 "not starting it")
+        return ExitReport("stopped", None, 0)
     started = time.monotonic()
     engine.start()
     last_progress = started
@@ -253,10 +271,21 @@ def supervise(
                 if hint:
                     log.error(f"hint: {hint}")
                 return ExitReport("early-exit" if not ready else "died", code, code if code > 0 else 1)
+            if stop.set and not ready:
+                # Nothing can be in flight before ready: no drain, and vLLM may ignore SIGTERM while
+                # it initialises, so the group is killed after a short grace.
+                log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was ready: "
+                         f"stopping it now (nothing in flight)")
+                code, killed = engine.stop(0, grace_s=EARLY_STOP_GRACE_S)
+                log.info("vLLM stopped before it was ready" + (" (killed)" if killed else ""))
+                return ExitReport("stopped", code, 0)
             if stop.set:
                 log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name}: stopping vLLM "
-                    f"(drain up to {drain_timeout_s:g} s)")
-                code, killed = engine.stop(drain_timeout_s)
+                    f"(drain up to {drain_timeout_s:g} s; a second signal stops it at once)")
+                code, killed = engine.stop(drain_timeout_s, escalate=lambda: stop.again)
+                if killed and stop.again:
+                    log.warning("second signal: vLLM killed without finishing its drain")
+                    return ExitReport("killed", code, 1)
                 if killed:
                     log.error("vLLM did not stop within the drain time: killed")
                     return ExitReport("killed", code, 1)

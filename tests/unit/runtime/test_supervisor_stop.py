@@ -1,0 +1,90 @@
+"""Stopping does what the operator asked: nothing starts after a signal during preparation, a stop
+before ready is immediate, and a second signal during a drain stops at once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from carbonforge_runtime.runtime import supervisor
+from tests.support import REPO, free_port
+
+LOG = logging.getLogger("test-supervisor")
+#: An engine that ignores SIGTERM (as vLLM does while it initialises) and never becomes ready.
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def group_gone(pgid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def signal_later(stop: supervisor.StopFlag, after_s: float, times: int = 1, between_s: float = 0.0) -> None:
+    def fire() -> None:
+        time.sleep(after_s)
+        for _ in range(times):
+            stop(signal.SIGTERM, None)
+            time.sleep(between_s)
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def test_a_signal_during_preparation_starts_nothing(tmp_path: Path) -> None:
+    stop = supervisor.StopFlag()
+    stop(signal.SIGTERM, None)
+    engine = supervisor.EngineProcess([sys.executable, "-c", DEAF], dict(os.environ), tmp_path / "vllm.log")
+    report = supervisor.supervise(engine, "http://127.0.0.1:1/health", 60, 30, LOG, lambda: None, stop)
+    assert report.outcome == "stopped" and report.exit_code == 0
+    assert engine.pid is None and not (tmp_path / "vllm.log").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_before_ready_is_immediate_even_when_the_engine_ignores_sigterm(tmp_path: Path) -> None:
+    stop = supervisor.StopFlag()
+    engine = supervisor.EngineProcess([sys.executable, "-c", DEAF], dict(os.environ), tmp_path / "vllm.log")
+    signal_later(stop, 1.0)
+    started = time.monotonic()
+    report = supervisor.supervise(engine, f"http://127.0.0.1:{free_port()}/health", 600, 30, LOG,
+                                  lambda: None, stop)
+    took = time.monotonic() - started
+    assert report.outcome == "stopped" and report.exit_code == 0
+    assert took < 1.0 + 5.0, took  # not the 30 s drain
+    assert engine.pid is not None and group_gone(engine.pid)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_during_the_drain_stops_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    # The engine double answers /health; this one also ignores SIGTERM, so only SIGKILL ends its drain.
+    code = (f"import runpy, signal, sys; sys.argv = ['engine_double', '--port', '{port}']; "
+            "orig = signal.signal; signal.signal = lambda s, h: orig(s, signal.SIG_IGN) if s == signal.SIGTERM "
+            "else orig(s, h); "
+            f"runpy.run_path({str(REPO / 'tests' / 'support' / 'engine_double.py')!r}, run_name='__main__')")
+    engine = supervisor.EngineProcess([sys.executable, "-c", code], dict(os.environ), tmp_path / "vllm.log")
+    stop = supervisor.StopFlag()
+    ready = threading.Event()
+
+    def on_ready() -> None:
+        ready.set()
+        signal_later(stop, 0.5, times=2, between_s=1.0)  # SIGTERM, then a second one a second later
+
+    started = time.monotonic()
+    report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 30, LOG, on_ready, stop)
+    took = time.monotonic() - started
+    assert ready.is_set()
+    assert report.outcome == "killed" and report.exit_code == 1
+    assert took < 15.0, took  # far less than the 30 s drain plus grace
+    assert engine.pid is not None and group_gone(engine.pid)
