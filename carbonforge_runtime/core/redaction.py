@@ -9,7 +9,6 @@ can read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 REDACTED = "<redacted>"
 #: vLLM flags whose value is a secret -> the variable vLLM reads the same value from.
@@ -73,11 +72,16 @@ def redact_args(args: Sequence[str]) -> list[str]:
 
 def redact_url(url: str) -> str:
     """``scheme://user:token@host/...`` -> ``scheme://<redacted>@host/...``; other text unchanged."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    if "@" not in parts.netloc:
+    authority_end = len(rest)
+    for stop in "/?#":
+        found = rest.find(stop)
+        if found >= 0:
+            authority_end = min(authority_end, found)
+    authority = rest[:authority_end]
+    if "@" not in authority:
         return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit((parts.scheme, f"{REDACTED}@{host}", parts.path, parts.query, parts.fragment))
+    host = authority.rsplit("@", 1)[1]
+    return f"{scheme}://{REDACTED}@{host}{rest[authority_end:]}"

@@ -50,7 +50,7 @@ def read_examples(trace: Path, tokenize: Callable[[str], list[int]] | None) -> l
             arrival = float(record.get("t_arrival", number))
             prompt = int(record["prompt_tokens"])
             output = int(record["output_tokens"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             raise UsageError(f"{trace}:{number}: not a trace record with prompt_tokens and output_tokens",
                              "fit on a trace written by --request-trace full") from None
         if record.get("finish_reason") in ("abort", "error"):

@@ -32,6 +32,8 @@ _BOM = b"\xef\xbb\xbf"
 _READ_BYTES = 1 << 20
 #: Cap on the output of one decompression call, so memory stays bounded whatever the ratio.
 _MAX_INFLATE_BYTES = 1 << 20
+#: The longest line read. A full-level record with a long prompt and output is well under a MiB.
+MAX_LINE_BYTES = 16 << 20
 
 
 class TraceInputError(CarbonForgeError):
@@ -113,25 +115,32 @@ def _line_blocks(path: Path) -> Iterator[bytes]:
     """The file's bytes in blocks of whole lines (no final newline; a leading BOM removed).
 
     The last line may lack its newline (it is then still yielded), except after damage: a
-    line cut by the damage is dropped, and DamagedInput is raised after the complete ones.
+    line cut by the damage is dropped, and DamagedInput is raised after the complete ones. A line
+    longer than :data:`MAX_LINE_BYTES` is damage too, so memory stays bounded whatever the file.
     """
     blocks = _inflated_blocks(path) if is_gzip(path) else _raw_blocks(path)
-    pending = b""
+    pending: list[bytes] = []  # the start of a line that has not ended yet, in pieces
+    pending_bytes = 0
     first = True
     for block in blocks:
         if first:
             first = False
             if block.startswith(_BOM):
                 block = block[len(_BOM):]
-        data = pending + block if pending else block
-        cut = data.rfind(b"\n")
+        cut = block.rfind(b"\n")
         if cut < 0:
-            pending = data
+            pending.append(block)
+            pending_bytes += len(block)
+            if pending_bytes > MAX_LINE_BYTES:
+                raise DamagedInput(f"a line is longer than {MAX_LINE_BYTES // (1 << 20)} MiB (is this a trace file?)")
             continue
-        pending = data[cut + 1:]
-        yield data[:cut]
+        if pending_bytes + block.find(b"\n") > MAX_LINE_BYTES:  # the line that ends in this block
+            raise DamagedInput(f"a line is longer than {MAX_LINE_BYTES // (1 << 20)} MiB (is this a trace file?)")
+        head = b"".join([*pending, block[:cut]]) if pending else block[:cut]
+        pending, pending_bytes = ([block[cut + 1:]], len(block) - cut - 1) if cut + 1 < len(block) else ([], 0)
+        yield head
     if pending:
-        yield pending
+        yield b"".join(pending)
 
 
 def line_batches(path: Path) -> Iterator[list[str]]:

@@ -263,6 +263,9 @@ class LtrModel:
         except OSError as exc:
             raise UsageError(f"cannot read ranker model {path} ({exc.strerror})",
                              "check scheduler.params.model: it must name a readable file") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"ranker model {path} is not text (binary or compressed data)",
+                             "write it with `carbonforge-runtime ltr fit`") from None
         try:
             data = json.loads(text)
         except ValueError as exc:

@@ -154,7 +154,12 @@ class Summary:
 
 
 def utc(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    """A Unix time as UTC text; a time no calendar can show (year 10000 and later, before year 1)
+    reads as out of range instead of failing the report."""
+    try:
+        return datetime.fromtimestamp(unix_s, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):
+        return "out of range"
 
 
 # --------------------------------------------------------------------------------------------

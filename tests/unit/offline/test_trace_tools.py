@@ -574,3 +574,34 @@ def test_plot_leaves_idle_periods_blank_and_refuses_too_many_windows(tmp_path: P
     assert refused.exit_code == 1
     assert "spans 86,401 windows of 1s, too many to draw" in refused.stderr
     assert "--window" in refused.stderr and "Traceback" not in refused.output
+
+
+@pytest.mark.parametrize("t_arrival", [1e18, -1e15])
+def test_timestamps_no_calendar_can_show_do_not_crash_the_report(tmp_path: Path, t_arrival: float) -> None:
+    path = write_jsonl(tmp_path / "far.jsonl", [record(i, t_arrival + i, 1.0, 0.1) for i in range(5)])
+    for command in (["trace", "summarize", str(path)], ["trace", "summarize", "--json", str(path)]):
+        result = invoke(*command)
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        assert result.exit_code == 0, result.output
+    assert "out of range" in invoke("trace", "summarize", "--json", str(path)).output
+
+
+def test_a_line_longer_than_the_limit_is_refused_with_bounded_memory(tmp_path: Path) -> None:
+    import gzip
+    import resource
+
+    from carbonforge_runtime.offline import trace_reader
+
+    good = json.dumps(record(0, 1_700_000_000.0, 1.0, 0.1))
+    path = tmp_path / "long.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=1) as handle:  # a few hundred KB on disk, 100 MB inflated
+        handle.write((good + "\n").encode())
+        handle.write(b"x" * (100 << 20))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = invoke("trace", "summarize", str(path))
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert "longer than 16 MiB" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert grown_mib < 3 * (trace_reader.MAX_LINE_BYTES >> 20) + 64, grown_mib
+    with pytest.raises(trace_reader.TraceInputError, match="longer than 16 MiB"):
+        list(trace_reader.numbered_records(path))

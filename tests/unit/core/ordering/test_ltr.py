@@ -223,3 +223,23 @@ def test_online_learning_alone_ranks_the_templated_workload(templated_trace: Pat
     # Starting from nothing and learning as requests complete, as the engine does.
     assert evaluate(LtrModel(), examples, learn=True) >= 0.5
     assert evaluate(fit(examples[:300]), examples[300:]) >= 0.5
+
+
+def test_ltr_refuses_binary_models_gzip_traces_of_garbage_and_huge_numbers(tmp_path: Path) -> None:
+    import gzip
+
+    runner = CliRunner()
+    garbage = tmp_path / "model.bin"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"t_arrival": 1, "prompt_tokens": 3, "output_tokens": 2, "prefix_hash": 1}) + "\n")
+    res = runner.invoke(app, ["ltr", "eval", str(garbage), str(trace)])
+    assert res.exit_code == 2 and "not text" in res.output, res.output
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text('{"t_arrival": 1, "prompt_tokens": 1e999, "output_tokens": 2, "prefix_hash": 1}\n')
+    res = runner.invoke(app, ["ltr", "fit", str(huge), "-o", str(tmp_path / "m.json")])
+    assert res.exit_code == 2 and ":1: not a trace record" in res.output, res.output
+    packed = tmp_path / "packed.jsonl.gz"
+    packed.write_bytes(gzip.compress(b"\x00\xff binary \xfe\n" * 10))
+    res = runner.invoke(app, ["ltr", "fit", str(packed), "-o", str(tmp_path / "m.json")])
+    assert res.exit_code == 1 and ":1: is not JSON" in res.output, res.output
