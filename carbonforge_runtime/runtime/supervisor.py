@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +40,25 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     """Ask the kernel to SIGTERM the engine if the runtime itself disappears."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+#: The engine's watchdog: a small process in a session of its own, started beside the engine. It
+#: blocks reading a pipe whose only writer is the runtime. End of file means the runtime is gone,
+#: however it ended (SIGKILL included), and the watchdog then kills the engine's whole process
+#: group. Nothing here depends on vLLM handling a signal (it ignores SIGTERM while it initialises).
+#: On a normal stop the runtime kills the watchdog itself once the group is gone.
+_WATCHDOG = """
+import os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+pgid = int(sys.argv[1])
+while sys.stdin.buffer.read(4096):
+    pass
+try:
+    os.killpg(pgid, signal.SIGKILL)
+except OSError:
+    pass
+"""
 
 
 def describe_exit(code: int) -> str:
@@ -132,6 +152,8 @@ class EngineProcess:
         self.env = dict(env)
         self.log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._watch_fd: int | None = None
 
     @property
     def pid(self) -> int | None:
@@ -153,6 +175,38 @@ class EngineProcess:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+        self._start_watchdog(self._proc.pid)
+
+    def _start_watchdog(self, pgid: int) -> None:
+        read_end, write_end = os.pipe()  # neither end is inherited by the engine (close_fds)
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(pgid)],
+                stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        except OSError:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._watch_fd = write_end
+
+    @property
+    def watchdog_pid(self) -> int | None:
+        return self._watchdog.pid if self._watchdog else None
+
+    def release_watchdog(self) -> None:
+        """Once the engine's group is gone: end the watchdog without letting it act."""
+        if self._watchdog is not None:
+            with contextlib.suppress(OSError):
+                self._watchdog.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._watchdog.wait(5.0)
+            self._watchdog = None
+        if self._watch_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._watch_fd)
+            self._watch_fd = None
 
     def poll(self) -> int | None:
         return self._proc.poll() if self._proc else None
@@ -309,3 +363,9 @@ def supervise(
     except BaseException:
         engine.stop(0)
         raise
+    finally:
+        deadline = time.monotonic() + 2.0  # SIGKILLed members take a moment to leave the group
+        while engine.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not engine.group_alive():  # otherwise the watchdog stays, to kill the group when we exit
+            engine.release_watchdog()

@@ -88,3 +88,65 @@ def test_a_second_signal_during_the_drain_stops_at_once(tmp_path: Path) -> None:
     assert report.outcome == "killed" and report.exit_code == 1
     assert took < 15.0, took  # far less than the 30 s drain plus grace
     assert engine.pid is not None and group_gone(engine.pid)
+
+
+#: A stand-in runtime: starts an engine that ignores SIGTERM and has a child of its own, reports the
+#: engine's process group and its watchdog, and waits to be killed.
+RUNTIME = f"""
+import json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from carbonforge_runtime.runtime.supervisor import EngineProcess
+child = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+        "subprocess.Popen([sys.executable, '-c', {DEAF!r}]); time.sleep(600)"
+engine = EngineProcess([sys.executable, "-c", child], dict(os.environ), Path(sys.argv[1]))
+engine.start()
+print(json.dumps([engine.pid, getattr(engine, "watchdog_pid", None)]), flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_runtime_takes_the_whole_engine_group_with_it(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    runtime = subprocess.Popen([sys.executable, "-c", RUNTIME, str(tmp_path / "vllm.log")],
+                               stdout=subprocess.PIPE, text=True)
+    assert runtime.stdout is not None
+    pgid, watchdog = json.loads(runtime.stdout.readline())
+    deadline = time.monotonic() + 10
+    while len(group_members(pgid)) < 2 and time.monotonic() < deadline:  # the engine and its child
+        time.sleep(0.05)
+    assert len(group_members(pgid)) == 2
+    runtime.kill()  # SIGKILL: no handler of ours runs
+    runtime.wait(10)
+    deadline = time.monotonic() + 10
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(pgid) == [], "engine processes outlived the runtime"
+    assert watchdog is not None
+    deadline = time.monotonic() + 10
+    while running(watchdog) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(watchdog), "the watchdog stayed after doing its job"
