@@ -15,15 +15,7 @@ import pytest
 
 from carbonforge_runtime.runtime.supervisor import http_ok
 from tests.support import REPO, free_port
-
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
+from tests.support.engine_double import Health
 
 
 @pytest.fixture
