@@ -51,8 +51,6 @@ class LaunchPlan:
     env: dict[str, str]
     departures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    scheduler_family: str = "fcfs"
-    scheduler_params: Mapping[str, Any] = field(default_factory=dict)
     #: What the CarbonForge scheduler inside the engine is told; ``None`` when another
     #: ``--scheduler-cls`` replaces it. Serialised once, at launch (:meth:`engine_env`).
     contract: EngineContract | None = None
@@ -210,8 +208,6 @@ def build_recipe_plan(
         env=env,
         departures=departures,
         notes=[*secret_notes, *sched_notes],
-        scheduler_family=recipe.scheduler.family,
-        scheduler_params=dict(recipe.scheduler.params),
         contract=contract,
     )
 
