@@ -1,11 +1,25 @@
-"""The runtime's own short log (stderr). The engine's output goes to vllm.log instead."""
+"""The runtime's own short log: stderr, and while serving also ``runtime.log`` in the log directory.
+
+The engine's output goes to vllm.log instead. Messages are composed with secrets already redacted
+(command lines through ``redact_args``, endpoints through ``redact_url``), so both destinations get
+the same safe text.
+"""
 
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import sys
+from pathlib import Path
 
 LOGGER_NAME = "carbonforge"
+#: The runtime's own log file, beside vllm.log in the log directory.
+RUNTIME_LOG_NAME = "runtime.log"
+#: Size-based rotation of runtime.log: up to 10 MiB per file, three older files kept (runtime.log.1 .. .3).
+RUNTIME_LOG_MAX_BYTES = 10 * 1024 * 1024
+RUNTIME_LOG_BACKUPS = 3
+_FORMAT = "%(asctime)s carbonforge %(levelname)s %(message)s"
+_DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
 
 def get_logger() -> logging.Logger:
@@ -17,10 +31,62 @@ def configure(level: int = logging.INFO) -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s carbonforge %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
+    handler.setFormatter(logging.Formatter(_FORMAT, _DATE_FORMAT))
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
+
+
+class _Pending(logging.Handler):
+    """Keeps the records of a launch until it is known to go ahead (bounded)."""
+
+    LIMIT = 1000
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < self.LIMIT:
+            self.records.append(record)
+
+
+class RuntimeLogFile:
+    """The runtime's log in ``runtime.log`` beside vllm.log, rotated by size.
+
+    Created when a serve starts, it holds the records logged while the launch is prepared; :meth:`open`
+    (once the log directory is known to be writable and the launch goes ahead) writes them, and every
+    later record, to the file. A launch refused earlier writes no file. :meth:`close` detaches it."""
+
+    def __init__(self) -> None:
+        self._pending: _Pending | None = _Pending()
+        self.handler: logging.handlers.RotatingFileHandler | None = None
+        get_logger().addHandler(self._pending)
+
+    def open(self, log_dir: Path) -> None:
+        logger = get_logger()
+        handler = logging.handlers.RotatingFileHandler(
+            log_dir / RUNTIME_LOG_NAME, maxBytes=RUNTIME_LOG_MAX_BYTES, backupCount=RUNTIME_LOG_BACKUPS,
+            encoding="utf-8",
+        )
+        handler.setFormatter(logging.Formatter(_FORMAT, _DATE_FORMAT))
+        if self._pending is not None:
+            logger.removeHandler(self._pending)
+            for record in self._pending.records:
+                handler.handle(record)
+            self._pending = None
+        logger.addHandler(handler)
+        self.handler = handler
+
+    def close(self) -> None:
+        logger = get_logger()
+        if self._pending is not None:
+            logger.removeHandler(self._pending)
+            self._pending = None
+        if self.handler is not None:
+            logger.removeHandler(self.handler)
+            self.handler.close()
+            self.handler = None
 
 
 def banner(lines: list[str]) -> str:

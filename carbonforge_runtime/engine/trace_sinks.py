@@ -163,9 +163,9 @@ class OtlpSink:
             if self.target.protocol == PROTOCOL_GRPC:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
-                insecure = not self.target.endpoint.startswith("https://")
-                self._exporter = Grpc(endpoint=self.target.endpoint, insecure=insecure,
-                                      timeout=self.timeout_s)
+                # TLS, CA and client files, and headers come from the SDK's own OTEL_EXPORTER_OTLP_*
+                # variables: passing ``insecure`` (or anything else they set) here would override them.
+                self._exporter = Grpc(endpoint=self.target.endpoint, timeout=self.timeout_s)
             else:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
@@ -174,6 +174,11 @@ class OtlpSink:
             raise PermanentSinkError(
                 f"the OpenTelemetry SDK is not installed ({exc.name or exc}); install opentelemetry-sdk "
                 "and opentelemetry-exporter-otlp"
+            ) from None
+        except Exception as exc:  # the SDK refused its OTEL_EXPORTER_OTLP_* settings: no retry helps
+            raise PermanentSinkError(
+                f"the OTLP exporter for {redact_url(self.target.endpoint)} cannot be set up "
+                f"({type(exc).__name__}: {exc}); check the OTEL_EXPORTER_OTLP_* variables"
             ) from None
         collected = self._collected
 
@@ -212,7 +217,10 @@ class OtlpSink:
         except Exception as exc:  # an exporter bug must not end the writer thread
             raise SinkError(f"export to {redact_url(self.target.endpoint)} failed: {exc}") from None
         if result != self._ok:
-            raise SinkError(f"export to {redact_url(self.target.endpoint)} failed (collector unreachable or refused)")
+            why = "collector unreachable or refused"
+            if self.target.endpoint.startswith("https://"):
+                why += ", or its TLS certificate not trusted: check OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"
+            raise SinkError(f"export to {redact_url(self.target.endpoint)} failed ({why})")
 
     def close(self) -> None:
         if self._exporter is not None:

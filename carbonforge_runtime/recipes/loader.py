@@ -71,6 +71,7 @@ def load_recipes(directories: Iterable[Path]) -> dict[str, Recipe]:
             recipe = load_recipe_file(path)
             if shipped:
                 _refuse_benchmark_only_family(recipe, path)
+                _require_api_section(recipe, path)
             key = recipe.key_text
             if key in seen:
                 raise RecipeError(
@@ -91,6 +92,16 @@ def _refuse_benchmark_only_family(recipe: Recipe, path: Path) -> None:
             "that needs each request's true output length",
             "pick a shipped family (fcfs, ltr-promptlen, affinity, ltr or hybrid); "
             "see the README's request ordering section",
+        )
+
+
+def _require_api_section(recipe: Recipe, path: Path) -> None:
+    """A shipped recipe says how the API treats its model: parsers named, or null for none."""
+    if recipe.api is None:
+        raise RecipeError(
+            f"{path}: field 'api' is missing",
+            "add an api section with reasoning_parser and tool_call_parser (a vLLM parser name, or null "
+            "when the model does not reason or call tools)",
         )
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from carbonforge_runtime.core.api_contract import EFFORTS
 from carbonforge_runtime.errors import RecipeError
 from carbonforge_runtime.recipes.keys import ContextKey, parse_context_key
+from carbonforge_runtime.recipes.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 PLANS = ("free", "premium")
 
@@ -60,6 +63,23 @@ class ControllerSpec:
 
 
 @dataclass(frozen=True)
+class ApiSpec:
+    """How the API treats the model's output: the engine's parsers and the thinking budget per effort.
+
+    ``reasoning_parser`` None: the model does not reason; ``tool_call_parser`` None: it calls no
+    tools (a request with tools is refused). ``thinking_budget`` maps ``low``/``medium``/``xhigh``
+    to a cap on thinking tokens (None: no cap)."""
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    thinking_budget: Mapping[str, int | None] = field(default_factory=dict)
+
+    @property
+    def declared(self) -> bool:
+        return self.reasoning_parser is not None or self.tool_call_parser is not None
+
+
+@dataclass(frozen=True)
 class Recipe:
     key: ContextKey
     plan: str
@@ -73,6 +93,8 @@ class Recipe:
     benchmark: Mapping[str, Any]
     env: Mapping[str, str]
     source: Path
+    #: None when the recipe has no ``api`` section (user recipes may omit it; shipped ones may not).
+    api: ApiSpec | None = None
 
     @property
     def key_text(self) -> str:
@@ -131,7 +153,7 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
     top = _Fields(path, data)
     top.reject_unknown(
         {"key", "plan", "description", "model", "vllm", "drain_timeout_s", "scheduler", "controller",
-         "hardware", "benchmark", "env"}
+         "hardware", "benchmark", "env", "api"}
     )
     key_text = top.get("key", str)
     try:
@@ -206,7 +228,35 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
         benchmark=top.get("benchmark", dict, default={}),
         env={k: str(v) for k, v in env.items()},
         source=path,
+        api=_api(top.section("api")) if "api" in data else None,
     )
+
+
+def _parser(fields: _Fields, name: str, known: frozenset[str]) -> str | None:
+    value = fields.get(name, str, nullable=True)
+    if value is not None and value not in known:
+        close = difflib.get_close_matches(value, sorted(known), n=3)
+        hint = f" (closest: {', '.join(close)})" if close else ""
+        raise fields.fail(name, f"names {value!r}, which vLLM 0.32 does not register{hint}; "
+                                f"valid names: {', '.join(sorted(known))}; null means none")
+    return value
+
+
+def _api(fields: _Fields) -> ApiSpec:
+    fields.reject_unknown({"reasoning_parser", "tool_call_parser", "thinking_budget"})
+    reasoning = _parser(fields, "reasoning_parser", REASONING_PARSERS)
+    tools = _parser(fields, "tool_call_parser", TOOL_CALL_PARSERS)
+    budgets = fields.section("thinking_budget", required=False)
+    budgets.reject_unknown(set(EFFORTS))
+    thinking_budget: dict[str, int | None] = {}
+    for effort in EFFORTS:
+        tokens = budgets.get(effort, int, default=None, nullable=True)
+        if tokens is not None and tokens < 1:
+            raise budgets.fail(effort, f"must be a positive number of tokens or null (no cap), got {tokens}")
+        thinking_budget[effort] = tokens
+    if reasoning is None and any(v is not None for v in thinking_budget.values()):
+        raise fields.fail("thinking_budget", "caps thinking, but reasoning_parser is null (the model does not reason)")
+    return ApiSpec(reasoning, tools, thinking_budget)
 
 
 def _model(fields: _Fields) -> ModelSpec:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from carbonforge_runtime.errors import CarbonForgeError, HardwareMismatchError
+from carbonforge_runtime.errors import CarbonForgeError, HardwareMismatchError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe
 from carbonforge_runtime.recipes.hardware import hardware_mismatches
@@ -33,8 +33,9 @@ from carbonforge_runtime.runtime.doctor import (
     run_checks,
 )
 from carbonforge_runtime.runtime.doctor.report import REMEDY_PREFIX, check_line
+from carbonforge_runtime.runtime.launch_plan import ENGINE_MODULE
 from carbonforge_runtime.runtime.licensing.core import format_time
-from carbonforge_runtime.runtime.licensing.gate import gate_override, gate_recipe
+from carbonforge_runtime.runtime.licensing.gate import gate_draft_models, gate_override, gate_recipe
 from carbonforge_runtime.runtime.plan import ServeOptions, ServePlan
 from carbonforge_runtime.settings import Settings
 
@@ -56,18 +57,36 @@ class Verdicts:
     #: The pre-flight's WARN and FAIL checks (empty when it was skipped or found nothing).
     preflight: list[Check] = field(default_factory=list)
     preflight_ran: bool = False
+    #: What a launch would be refused for (licence, --strict-hardware). Only a dry run gets this far
+    #: with a refusal: it reports them and exits with the first one's code.
+    refusals: list[CarbonForgeError] = field(default_factory=list)
 
     def describe(self) -> list[str]:
         """The verdicts' part of the dry run."""
-        if self.licence is None:
+        licence_refusal = next((exc for exc in self.refusals if isinstance(exc, LicenseError)), None)
+        if licence_refusal is not None:
+            out = [f"licence:            REFUSED: {licence_refusal.message}",
+                   f"                    fix: {licence_refusal.remedy}"]
+        elif self.licence is None:
             out = ["licence:            not needed (free plan)"]
         else:
             out = [f"licence:            granted: {self.licence.licence_id} for {self.licence.licensee}, "
                    f"expires {format_time(self.licence.expires_at)}"]
         out += [f"hardware mismatch:  {line}" for line in self.hardware_problems]
+        for exc in self.refusals:
+            if isinstance(exc, HardwareMismatchError):
+                out += ["hardware:           REFUSED (--strict-hardware): a launch would not start",
+                        f"                    fix: {exc.remedy}"]
         if self.preflight_ran:
             out.append(f"pre-flight:         {_preflight_summary(self.preflight)}")
+        if self.refusals:
+            out.append(f"verdict:            a launch would be refused (exit {self.exit_code}); nothing would start")
         return out
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status a launch would end with now: the first refusal's, else 0."""
+        return self.refusals[0].exit_code if self.refusals else 0
 
 
 def _preflight_summary(problems: list[Check]) -> str:
@@ -80,7 +99,11 @@ def _preflight_summary(problems: list[Check]) -> str:
 def check_licence(plan: ServePlan, recipes: Mapping[str, Recipe], settings: Settings, now: float) -> Any:
     """The licence gate for the plan: the granted claims, ``None`` for free, or a raised refusal."""
     if plan.recipe is not None:
-        return gate_recipe(plan.recipe, settings, now=now)
+        claims = gate_recipe(plan.recipe, settings, now=now)
+        # A draft model named in the recipe's or the extra flags is served too: gated like a model.
+        argv = plan.launch.argv
+        engine_args = argv[argv.index(ENGINE_MODULE) + 1:] if ENGINE_MODULE in argv else argv
+        return claims or gate_draft_models(engine_args, recipes, settings, now=now)
     assert plan.override_model is not None
     return gate_override(plan.override_model, plan.override_args, recipes, settings, now=now)
 
@@ -92,12 +115,17 @@ def check_hardware(recipe: Recipe | None, gpu: GpuBackend, strict: bool) -> tupl
     snapshot = gpu.snapshot()
     problems = hardware_mismatches(recipe.key.hardware, snapshot)
     if problems and strict:
-        raise HardwareMismatchError(
-            f"the detected hardware does not match {recipe.key.hardware}: " + "; ".join(problems),
-            "serve a key whose hardware segment matches this host (`carbonforge-runtime recipes list`), "
-            "or drop --strict-hardware to serve anyway",
-        )
+        raise hardware_refusal(recipe, problems)
     return problems, snapshot
+
+
+def hardware_refusal(recipe: Recipe, problems: list[str]) -> HardwareMismatchError:
+    """The --strict-hardware refusal for these mismatches."""
+    return HardwareMismatchError(
+        f"the detected hardware does not match {recipe.key.hardware}: " + "; ".join(problems),
+        "serve a key whose hardware segment matches this host (`carbonforge-runtime recipes list`), "
+        "or drop --strict-hardware to serve anyway",
+    )
 
 
 def preflight(

@@ -7,9 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from carbonforge_runtime.core.api_contract import ApiContract
 from carbonforge_runtime.core.contract import SCHEDULER_CLS, EngineContract, Ordering, TraceConfig
 from carbonforge_runtime.core.redaction import redact_args, secrets_to_env
-from carbonforge_runtime.recipes.model import VLLM_KNOBS, Recipe
+from carbonforge_runtime.errors import UsageError
+from carbonforge_runtime.recipes.model import VLLM_KNOBS, ApiSpec, Recipe
 from carbonforge_runtime.settings import Settings, VarName
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
@@ -54,6 +56,8 @@ class LaunchPlan:
     #: What the CarbonForge scheduler inside the engine is told; ``None`` when another
     #: ``--scheduler-cls`` replaces it. Serialised once, at launch (:meth:`engine_env`).
     contract: EngineContract | None = None
+    #: What the request-contract middleware in the API server enforces (in the plan's ``env``).
+    api: ApiContract = field(default_factory=ApiContract)
 
     def engine_env(self, contract: EngineContract | None = None) -> dict[str, str]:
         """The engine's environment: the plan's, plus ``contract`` (the plan's own by default, or the
@@ -94,6 +98,49 @@ def flags_in(args: Sequence[str]) -> dict[str, str | None]:
     return found
 
 
+def flag_values(args: Sequence[str], flag: str) -> list[str] | None:
+    """The values of the last ``flag`` among ``args``, as vLLM's parser reads it (``_`` and ``-`` are the
+    same in a flag name; ``--flag=v`` or ``--flag v1 v2 ...``); ``None`` when the flag is absent."""
+    found: list[str] | None = None
+    i = 0
+    while i < len(args):
+        name, sep, inline = args[i].partition("=")
+        i += 1
+        if not name.startswith("--") or name.replace("_", "-") != flag:
+            continue
+        if sep:
+            found = [inline]
+            continue
+        found = []
+        while i < len(args) and not args[i].startswith("-"):
+            found.append(args[i])
+            i += 1
+    return found
+
+
+def effective_endpoint(args: Sequence[str], served: str, host: str, port: int) -> tuple[str, str, int]:
+    """(served model name, host, port) vLLM will use once ``args`` (appended last, so they win) are
+    applied over the given defaults. The first of several served names is the one responses carry."""
+    names = flag_values(args, "--served-model-name")
+    if names is not None:
+        if not names or not names[0].strip():
+            raise UsageError("--served-model-name is given without a name",
+                             "write --served-model-name NAME, or leave the flag out")
+        served = names[0]
+    hosts = flag_values(args, "--host")
+    if hosts is not None:
+        if len(hosts) != 1 or not hosts[0].strip():
+            raise UsageError("--host takes exactly one address", "write --host ADDRESS (e.g. --host 0.0.0.0)")
+        host = hosts[0]
+    ports = flag_values(args, "--port")
+    if ports is not None:
+        text = ports[0] if len(ports) == 1 else " ".join(ports)
+        if len(ports) != 1 or not text.isdigit() or not 0 < int(text) < 65536:
+            raise UsageError(f"--port {text!r} is not a TCP port", "write --port N with N between 1 and 65535")
+        port = int(text)
+    return served, host, port
+
+
 def _knob_from_flag(flag: str) -> tuple[str, bool | None] | None:
     """``--max-num-seqs`` -> ('max_num_seqs', None); ``--no-enable-prefix-caching`` -> (..., False)."""
     name = flag[2:].replace("-", "_")
@@ -127,6 +174,31 @@ def scheduler_wiring(
         return [], None, [f"{SCHEDULER_FLAG} {other} given: the CarbonForge scheduler is not loaded "
                           f"(no scheduler family {family!r}, no request trace)"]
     return [SCHEDULER_FLAG, SCHEDULER_CLS], EngineContract(Ordering(family, dict(params)), trace), []
+
+
+MIDDLEWARE = "carbonforge_runtime.apiserver.request_contract.RequestContract"
+REASONING_FLAG = "--reasoning-parser"
+TOOL_PARSER_FLAG = "--tool-call-parser"
+AUTO_TOOL_FLAG = "--enable-auto-tool-choice"
+
+
+def api_wiring(spec: ApiSpec | None, user_args: Sequence[str]) -> tuple[list[str], ApiContract]:
+    """(vLLM flags, API contract): the request-contract middleware always; the recipe's parsers
+    unless the user's flags name others (then the contract follows the user's flags)."""
+    args = ["--middleware", MIDDLEWARE]
+    given = flags_in(user_args)
+    reasoning = spec.reasoning_parser if spec else None
+    tools = spec.tool_call_parser if spec else None
+    if reasoning and REASONING_FLAG not in given:
+        args += [REASONING_FLAG, reasoning]
+    if tools and TOOL_PARSER_FLAG not in given:
+        args += [TOOL_PARSER_FLAG, tools]
+        if AUTO_TOOL_FLAG not in given:
+            args.append(AUTO_TOOL_FLAG)
+    budget = dict(spec.thinking_budget) if spec and REASONING_FLAG not in given else {}
+    contract = ApiContract(reasoning=bool(reasoning or given.get(REASONING_FLAG)),
+                           tools=bool(tools or given.get(TOOL_PARSER_FLAG)), thinking_budget=budget)
+    return args, contract
 
 
 def build_recipe_plan(
@@ -173,6 +245,9 @@ def build_recipe_plan(
     model = model_path or recipe.model.repo
     argv = [*engine_prefix(), "--model", model, "--served-model-name", recipe.model.served_name]
     argv += ["--host", str(host), "--port", str(port)]
+    # The extra flags are appended below and win in vLLM's parser: the plan reports what vLLM will use.
+    served_name, host, port = effective_endpoint([*recipe.extra_args, *env_extra, *extra_args],
+                                                 recipe.model.served_name, str(host), int(port))
     if recipe.model.revision and not model_path:
         argv += ["--revision", recipe.model.revision]
     for name, value in recipe.vllm.items():
@@ -188,17 +263,20 @@ def build_recipe_plan(
         [*recipe.extra_args, *env_extra, *extra_args], recipe.scheduler.family, recipe.scheduler.params, trace
     )
     argv += sched_args
+    api_args, api = api_wiring(recipe.api, [*recipe.extra_args, *env_extra, *extra_args])
+    argv += api_args
     argv += env_extra + list(extra_args)
 
     env = dict(base_env or {})
     env.update(env_secrets)
     for name, value in recipe.env.items():
         env.setdefault(name, value)
+    env.update(api.env())
     return LaunchPlan(
         mode="recipe",
         recipe=recipe,
         model=model,
-        served_model_name=recipe.model.served_name,
+        served_model_name=served_name,
         host=str(host),
         port=int(port),
         drain_timeout_s=recipe.drain_timeout_s,
@@ -209,6 +287,7 @@ def build_recipe_plan(
         departures=departures,
         notes=[*secret_notes, *sched_notes],
         contract=contract,
+        api=api,
     )
 
 
@@ -235,19 +314,13 @@ def build_override_plan(
     argv = [*engine_prefix(), *args]
     given = flags_in(args)
     notes: list[str] = list(secret_notes)
-    served = given.get("--served-model-name")
-    if not served:
-        served = model
+    served, host, port = effective_endpoint(args, model, str(settings.host), settings.port)
+    if flag_values(args, "--served-model-name") is None:
         argv += ["--served-model-name", model]
         notes.append(f"no --served-model-name given: serving as {model!r}")
-    port_text = given.get("--port")
-    if port_text is None:
-        port = settings.port
+    if flag_values(args, "--port") is None:
         argv += ["--port", str(port)]
-    else:
-        port = int(port_text) if port_text.isdigit() else settings.port
-    host = given.get("--host") or settings.host
-    if "--host" not in given:
+    if flag_values(args, "--host") is None:
         argv += ["--host", str(host)]
     drain_text = given.get("--shutdown-timeout")
     try:
@@ -259,6 +332,8 @@ def build_override_plan(
     sched_args, contract, sched_notes = scheduler_wiring(args, "fcfs", {}, trace)
     argv += sched_args
     notes += sched_notes
+    api_args, api = api_wiring(None, args)
+    argv += api_args
     ignored: tuple[VarName, ...] = ("CF_MAX_MODEL_LEN", "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS")
     for var in ignored:
         if settings.is_set(var):
@@ -274,7 +349,8 @@ def build_override_plan(
         knobs=[],
         extra_args=[Knob(" ".join(redact_args(args)), redact_args(args), SOURCE_USER)] if args else [],
         argv=argv,
-        env={**(base_env or {}), **env_secrets},
+        env={**(base_env or {}), **env_secrets, **api.env()},
         notes=notes,
         contract=contract,
+        api=api,
     )

@@ -12,28 +12,36 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from carbonforge_runtime.core.api_contract import EFFORTS
 from carbonforge_runtime.core.contract import TraceConfig, full_level_banner_lines
 from carbonforge_runtime.core.ordering.registry import make_family
 from carbonforge_runtime.core.redaction import redact_args, redact_url
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, resolve
 from carbonforge_runtime.runtime.launch_plan import (
+    AUTO_TOOL_FLAG,
     ENGINE_MODULE,
+    REASONING_FLAG,
+    TOOL_PARSER_FLAG,
     LaunchPlan,
     build_override_plan,
     build_recipe_plan,
+    flags_in,
     user_scheduler_cls,
 )
 from carbonforge_runtime.runtime.licensing.gate import check_recipe_args
 from carbonforge_runtime.runtime.model_arg import model_from_args
-from carbonforge_runtime.runtime.trace_options import resolve_trace_options
+from carbonforge_runtime.runtime.privacy import PrivacyEnv, engine_privacy_env
+from carbonforge_runtime.runtime.trace_options import resolve_trace_options, trace_export_lines
 from carbonforge_runtime.settings import Settings
 
 #: Secrets the runtime reads and the engine never needs: kept out of the engine's environment (and so
 #: out of /proc/<pid>/environ of every vLLM process).
-RUNTIME_ONLY_VARIABLES = frozenset({"CARBONFORGE_LICENSE_KEY"})
+RUNTIME_ONLY_VARIABLES = frozenset({"CARBONFORGE_LICENSE_KEY", "CF_API_KEY", "CF_API_KEY_FILE"})
+#: The variable vLLM's API server reads its key from; set, every /v1 request must carry it.
+ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
 
 
 @dataclass
@@ -70,21 +78,68 @@ class ServePlan:
     override_model: str | None = None
     override_args: list[str] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
+    #: The switches that keep the engine from reporting usage or reaching a hub, and why.
+    privacy: PrivacyEnv | None = None
 
     @property
     def recipe(self) -> Recipe | None:
         return self.launch.recipe
 
 
+#: Why the built-in model needs no download (the dry run and the log say so).
+BUILTIN_WEIGHTS = "built-in model, generated on this machine"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The weights serving some options loads: a repository id (at a revision) or a path."""
+
+    model: str
+    revision: str | None
+    builtin: bool = False
+
+
+def model_source(options: ServeOptions, recipes: Mapping[str, Recipe]) -> ModelSource | None:
+    """Which weights :func:`build_plan` would serve for ``options``, so that the caller can look for
+    them before planning; None when the options name none (build_plan then says what is wrong)."""
+    try:
+        if options.context_key:
+            recipe = resolve(options.context_key, recipes)
+            return ModelSource(recipe.model.repo, recipe.model.revision, bool(recipe.model.builtin))
+        if options.vllm_args:
+            return ModelSource(model_from_args(options.vllm_args), flags_in(options.vllm_args).get("--revision"))
+    except CarbonForgeError:
+        return None
+    return None
+
+
+def _privacy(launch: LaunchPlan, model: str, weights_present: str | None, environ: Mapping[str, str],
+             messages: list[Message]) -> PrivacyEnv:
+    """Put the no-reporting and offline switches into the engine's environment; say what changed."""
+    privacy = engine_privacy_env(launch.env, model, weights_present, operator=environ,
+                                 args=launch.argv[launch.argv.index(ENGINE_MODULE) + 1:])
+    launch.env.update(privacy.env)
+    messages += [Message("warning", line) for line in privacy.warnings]
+    messages += [Message("info", line) for line in privacy.notes]
+    return privacy
+
+
 def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, Recipe],
-               environ: Mapping[str, str], cwd: str | None = None) -> ServePlan:
+               environ: Mapping[str, str], cwd: str | None = None, weights_present: str | None = None,
+               api_key: str | None = None) -> ServePlan:
     """The plan for ``options``; raises :class:`UsageError` (or another fixable error) on options
-    that cannot be served. ``environ`` is the runtime's environment, which the engine inherits."""
+    that cannot be served. ``environ`` is the runtime's environment, which the engine inherits.
+    ``weights_present`` says why the weights of :func:`model_source` need no download (already in the
+    Hugging Face cache, a local directory), or is None when they are not on this machine; the engine
+    then serves offline (:mod:`~carbonforge_runtime.runtime.privacy`). ``api_key`` is the key clients
+    must send (CF_API_KEY or the file CF_API_KEY_FILE, read by the caller)."""
     messages: list[Message] = []
     trace = _trace_config(options, environ, cwd, messages)
     # The engine inherits the runtime's environment, less what only the runtime may read.
     base_env = {name: value for name, value in environ.items() if name not in RUNTIME_ONLY_VARIABLES}
     base_env.setdefault("PYTHONUNBUFFERED", "1")
+    if api_key:
+        base_env[ENGINE_KEY_VARIABLE] = api_key
     if options.context_key:
         recipe = resolve(options.context_key, recipes)
         model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
@@ -96,18 +151,68 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
         check_recipe_args(recipe, launch.model, launch.argv[launch.argv.index(ENGINE_MODULE) + 1:])
         messages += [Message("warning", line) for line in launch.departures]
         messages += [Message("info", line) for line in launch.notes]
-        return ServePlan(launch, trace, messages=messages)
+        present = BUILTIN_WEIGHTS if recipe.model.builtin else weights_present
+        privacy = _privacy(launch, recipe.model.repo, present, environ, messages)
+        _api_access(launch, messages)
+        return ServePlan(launch, trace, messages=messages, privacy=privacy)
     if not options.vllm_args:
-        raise CarbonForgeError(
-            "nothing to serve: no context key and no vLLM arguments",
-            "pass --context-key KEY, set CF_CONTEXT_KEY, or give the vLLM command after --",
+        raise _nothing_to_serve(options, environ)
+    if options.strict_hardware:
+        raise UsageError(
+            "--strict-hardware needs a context key: the full override has no hardware segment to check the "
+            "GPUs against",
+            "serve a recipe with --context-key KEY --strict-hardware, or drop --strict-hardware",
         )
     model = model_from_args(options.vllm_args)
     messages.append(Message("info", "full-override mode: the recipe is bypassed; the arguments go to vLLM as given"))
     _check_scheduler("fcfs", {}, options.vllm_args, trace)
     launch = build_override_plan(options.vllm_args, settings, model, base_env=base_env, trace=trace)
     messages += [Message("info", line) for line in launch.notes]
-    return ServePlan(launch, trace, model, list(options.vllm_args), messages)
+    privacy = _privacy(launch, model, weights_present, environ, messages)
+    _api_access(launch, messages)
+    return ServePlan(launch, trace, model, list(options.vllm_args), messages, privacy)
+
+
+def api_keys_required(launch: LaunchPlan) -> bool:
+    return bool(launch.env.get(ENGINE_KEY_VARIABLE))
+
+
+def _api_access(launch: LaunchPlan, messages: list[Message]) -> None:
+    """One warning when the API takes requests without a key."""
+    if not api_keys_required(launch):
+        messages.append(Message("warning", f"the API on port {launch.port} takes requests from anyone who can "
+                                           "reach it: set CF_API_KEY (or CF_API_KEY_FILE) to require a key"))
+
+
+def _runtime_flags(options: ServeOptions) -> list[str]:
+    """The runtime flags ``options`` were given with (every one that differs from its default)."""
+    words: list[str] = []
+    for item in fields(ServeOptions):
+        if item.name in ("context_key", "vllm_args"):
+            continue
+        value = getattr(options, item.name)
+        if value == item.default:
+            continue
+        flag = "--" + item.name.replace("_", "-")
+        words += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return words
+
+
+def _nothing_to_serve(options: ServeOptions, environ: Mapping[str, str]) -> UsageError:
+    key = environ.get("CF_CONTEXT_KEY", "").strip()
+    if key:
+        # Arguments were given, so the variable does not count (the launch modes); show the command
+        # that serves the key with the same flags.
+        command = shlex.join(["carbonforge-runtime", "--context-key", key, *redact_args(_runtime_flags(options))])
+        return UsageError(
+            f"nothing to serve: CF_CONTEXT_KEY ({key}) is ignored when arguments are given, and the arguments "
+            "name no --context-key and no vLLM command",
+            f"put the key on the command line: {command}",
+        )
+    return UsageError(
+        "nothing to serve: no context key and no vLLM arguments",
+        "pass --context-key KEY, set CF_CONTEXT_KEY (with no arguments), or give the vLLM command after --",
+    )
 
 
 def _trace_config(options: ServeOptions, environ: Mapping[str, str], cwd: str | None,
@@ -120,6 +225,7 @@ def _trace_config(options: ServeOptions, environ: Mapping[str, str], cwd: str | 
     trace = decision.config
     if trace is not None:
         messages.append(Message("info", f"request trace: {describe_trace(trace, options)}"))
+        messages += [Message("info", f"request trace: {line}") for line in decision.notes]
         if trace.full:
             messages.append(Message("banner", "\n".join(full_level_banner_lines(trace))))
     return trace
@@ -163,6 +269,7 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
         out.append(f"model:              {launch.model}")
     out.append(f"served model name:  {launch.served_model_name}")
     out.append(f"API:                http://{launch.host}:{launch.port}/v1")
+    out += describe_api(launch)
     out.append(f"drain time:         {launch.drain_timeout_s:g} s")
     if launch.knobs:
         out.append("vLLM knobs (value, source):")
@@ -176,14 +283,39 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
     if recipe:
         out.append(f"scheduler:          {recipe.scheduler.family} {dict(recipe.scheduler.params) or ''}")
         out.append(f"controller:         {recipe.controller.policy}")
+        covered = {entry.name for entry in plan.privacy.lines} if plan.privacy else set()
         for name, value in recipe.env.items():
+            if name in covered:  # listed below, with why it has its value
+                continue
             origin = "recipe" if launch.env.get(name) == value and name not in environ else "environment"
             out.append(f"engine environment: {name}={launch.env.get(name)}  ({origin})")
+    for entry in plan.privacy.lines if plan.privacy else []:
+        setting = f"{entry.name}={entry.value}" if entry.value is not None else f"{entry.name} unset"
+        out.append(f"engine environment: {setting}  ({entry.why})")
     out.append(f"request trace:      {describe_trace(plan.trace, options)}")
+    out += [f"trace export:       {line}" for line in trace_export_lines(plan.trace, environ)]
     for line in launch.departures:
         out.append(f"departure:          {line}")
     for line in launch.notes:
         out.append(f"note:               {line}")
+    return out
+
+
+def describe_api(launch: LaunchPlan) -> list[str]:
+    """The API's key requirement, parsers and effort mapping, for the dry run."""
+    given = flags_in(launch.argv)
+    keys = ("required (Authorization: Bearer)" if api_keys_required(launch)
+            else "none: open to anyone who can reach the port")
+    out = [f"API keys:           {keys}"]
+    reasoning = given.get(REASONING_FLAG)
+    out.append(f"reasoning parser:   {reasoning or 'none (the model does not reason)'}")
+    tools = given.get(TOOL_PARSER_FLAG)
+    auto = ", auto tool choice" if AUTO_TOOL_FLAG in given else ""
+    out.append(f"tool-call parser:   {tools + auto if tools else 'none (requests with tools are refused)'}")
+    if launch.api.reasoning:
+        budget = launch.api.thinking_budget
+        efforts = ", ".join(f"{e} {budget[e]} tokens" if budget.get(e) else f"{e} no cap" for e in EFFORTS)
+        out.append(f"thinking budget:    {efforts}; enable_thinking false: none")
     return out
 
 

@@ -18,17 +18,29 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.core.contract import TraceConfig
-from carbonforge_runtime.errors import CarbonForgeError
+from carbonforge_runtime.errors import CarbonForgeError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
-from carbonforge_runtime.runtime.checks import Verdicts, check_hardware, check_licence, preflight
+from carbonforge_runtime.runtime.api_key import read_api_key
+from carbonforge_runtime.runtime.checks import Verdicts, check_hardware, check_licence, hardware_refusal, preflight
+from carbonforge_runtime.runtime.doctor.facts import weights_on_host
 from carbonforge_runtime.runtime.launch_plan import LaunchPlan
-from carbonforge_runtime.runtime.plan import ServeOptions, ServePlan, build_plan, command_line, describe_plan
+from carbonforge_runtime.runtime.plan import (
+    ServeOptions,
+    ServePlan,
+    build_plan,
+    command_line,
+    describe_plan,
+    model_source,
+)
 from carbonforge_runtime.settings import Settings
+
+if TYPE_CHECKING:
+    from carbonforge_runtime.runtime.supervisor import StopFlag
 
 __all__ = ["Prepared", "ServeOptions", "describe_prepared", "load_all_recipes", "prepare", "serve"]
 
@@ -78,13 +90,31 @@ def _log_messages(plan: ServePlan) -> None:
 
 def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str], gpu: GpuBackend,
             now: float | None = None) -> Prepared:
-    """The plan (step 1) and the licence and hardware checks (step 2 without the pre-flight). Starts nothing."""
+    """The plan (step 1) and the licence and hardware checks (step 2 without the pre-flight). Starts nothing.
+
+    A refusal raises, except in a dry run: that one records it in the verdicts, so that the whole plan
+    is still shown with what a launch would do and the fix."""
     recipes = load_all_recipes(settings)
-    plan = build_plan(options, settings, recipes, environ)
+    source = model_source(options, recipes)
+    present = weights_on_host(source.model, source.revision, source.builtin, environ) if source else None
+    plan = build_plan(options, settings, recipes, environ, weights_present=present, api_key=read_api_key(settings))
     _log_messages(plan)
-    licence = check_licence(plan, recipes, settings, now=time.time() if now is None else now)
-    problems, snapshot = check_hardware(plan.recipe, gpu, options.strict_hardware)
-    return Prepared(plan, Verdicts(licence=licence, hardware_problems=problems, snapshot=snapshot))
+    refusals: list[CarbonForgeError] = []
+    try:
+        licence = check_licence(plan, recipes, settings, now=time.time() if now is None else now)
+    except LicenseError as exc:
+        if not options.dry_run:
+            raise
+        licence = None
+        refusals.append(exc)
+    problems, snapshot = check_hardware(plan.recipe, gpu, strict=False)
+    if problems and options.strict_hardware and plan.recipe is not None:
+        refusal = hardware_refusal(plan.recipe, problems)
+        if not options.dry_run:
+            raise refusal
+        refusals.append(refusal)
+    return Prepared(plan, Verdicts(licence=licence, hardware_problems=problems, snapshot=snapshot,
+                                   refusals=refusals))
 
 
 def describe_prepared(prepared: Prepared, options: ServeOptions, environ: Mapping[str, str]) -> str:
@@ -155,15 +185,38 @@ def _log_dir(settings: Settings) -> Path:
 def serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str], gpu: GpuBackend) -> int:
     from carbonforge_runtime.runtime import supervisor
 
-    logger = cflog.get_logger()
     stop = supervisor.StopFlag()
     stop.install()  # from here on a SIGTERM is handled, even during preparation
+    # The runtime's own log also goes to runtime.log beside vllm.log once the launch goes ahead
+    # (a dry run or a refused launch writes no file).
+    runtime_log = cflog.RuntimeLogFile()
+    try:
+        return _serve(options, settings, environ, gpu, stop, runtime_log)
+    finally:
+        runtime_log.close()
+
+
+def _hardware_outcome(options: ServeOptions) -> list[str]:
+    """What the hardware-mismatch banner says happens next."""
+    if options.dry_run and options.strict_hardware:
+        return ["Dry run: with --strict-hardware a launch would refuse to start on this host."]
+    if options.dry_run:
+        return ["Dry run: a launch would serve anyway, and the recipe's performance and energy figures would",
+                "not apply to this host. Pass --strict-hardware to make it refuse to start instead."]
+    return ["Serving anyway: the recipe's performance and energy figures do not apply to this host.",
+            "Pass --strict-hardware to refuse to start instead."]
+
+
+def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str], gpu: GpuBackend,
+           stop: StopFlag, runtime_log: cflog.RuntimeLogFile) -> int:
+    from carbonforge_runtime.runtime import supervisor
+
+    logger = cflog.get_logger()
     prepared = prepare(options, settings, environ, gpu)
     plan = prepared.plan
     if prepared.hardware_problems and plan.recipe:
         lines = [f"HARDWARE MISMATCH for {plan.recipe.key_text}", *prepared.hardware_problems,
-                 "Serving anyway: the recipe's performance and energy figures do not apply to this host.",
-                 "Pass --strict-hardware to refuse to start instead."]
+                 *_hardware_outcome(options)]
         logger.warning("\n%s", cflog.banner(lines))
     if not options.skip_preflight:
         # Prints WARN/FAIL lines; raises on a FAIL unless this is a dry run.
@@ -172,12 +225,19 @@ def serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str],
         prepared.verdicts.preflight_ran = True
     if options.dry_run:
         print(describe_prepared(prepared, options, environ))
-        return 0
+        return prepared.verdicts.exit_code  # 0, or the code the refused launch would exit with
 
     if stop.set:  # a stop signal while the launch was prepared: start nothing
         logger.info("stop signal received during preparation: vLLM is not started")
         return 0
     log_dir = _log_dir(settings)
+    try:
+        runtime_log.open(log_dir)
+    except OSError as exc:
+        raise CarbonForgeError(
+            f"cannot write {log_dir / cflog.RUNTIME_LOG_NAME} ({exc.strerror or exc})",
+            "make the log directory writable (the /var/log/carbonforge volume, or CF_LOG_DIR)",
+        ) from None
     _create_trace_file(prepared.trace)
     if plan.recipe and plan.recipe.model.builtin:
         from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
@@ -209,6 +269,7 @@ def serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str],
         report = supervisor.supervise(
             engine,
             ready_url=f"http://{ready_host}:{plan.port}/health",
+            api_port=plan.port,
             ready_timeout_s=settings.ready_timeout_s,
             drain_timeout_s=plan.drain_timeout_s,
             log=logger,

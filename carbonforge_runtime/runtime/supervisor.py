@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carbonforge_runtime.core.redaction import redact_args
+from carbonforge_runtime.runtime.port_owner import foreign_listener_problem
 
 #: After SIGTERM the engine gets its drain time plus this much to exit before SIGKILL.
 SHUTDOWN_GRACE_S = 15.0
@@ -135,11 +137,21 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def _port_problem(engine: EngineProcess, ready_url: str, api_port: int | None) -> str | None:
+    """Why the server answering ``ready_url`` is not (only) the engine, or ``None`` when it is."""
+    if api_port is None or engine.pid is None:
+        return None
+    host = urllib.parse.urlsplit(ready_url).hostname or "127.0.0.1"
+    return foreign_listener_problem(api_port, host, engine.pid)
+
+
 @dataclass
 class ExitReport:
     """How a supervised run ended."""
 
-    outcome: str  # "stopped" (by signal, clean), "killed" (needed SIGKILL), "early-exit", "died", "timeout"
+    #: "stopped" (by signal, clean), "killed" (needed SIGKILL), "early-exit", "died", "timeout",
+    #: "not-ours" (another process answers the API port)
+    outcome: str
     engine_code: int | None
     exit_code: int
 
@@ -300,8 +312,12 @@ def supervise(
     log: logging.Logger,
     on_ready: Callable[[], None],
     stop: StopFlag,
+    api_port: int | None = None,
 ) -> ExitReport:
-    """Start the engine, wait for readiness, serve until a signal or the engine's death."""
+    """Start the engine, wait for readiness, serve until a signal or the engine's death.
+
+    With ``api_port``, readiness also needs the socket listening on that port to belong to the
+    engine's process group: a ``/health`` answer from another server is not our engine being ready."""
     if stop.set:  # the signal came while the launch was being prepared: start nothing
         log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was started: "
                  "not starting it")
@@ -349,6 +365,13 @@ def supervise(
             now = time.monotonic()
             if not ready:
                 if http_ok(ready_url):
+                    problem = _port_problem(engine, ready_url, api_port)
+                    if problem is not None:
+                        log.error(f"{problem}; the engine is not declared ready")
+                        log.error("the API port must be this runtime's alone: stop the other process, or serve on "
+                                  "a free port (CF_PORT, or --port in the vLLM arguments); stopping vLLM")
+                        engine.stop(0, grace_s=EARLY_STOP_GRACE_S)
+                        return ExitReport("not-ours", None, 1)
                     ready = True
                     on_ready()
                 elif now - started > ready_timeout_s:

@@ -16,14 +16,48 @@ from pathlib import Path
 from carbonforge_runtime.errors import CarbonForgeError
 
 #: Bump when the recipe of the model changes, so stale copies are rebuilt.
-TINY_MODEL_VERSION = "1"
+TINY_MODEL_VERSION = "2"
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: Markup tokens of Qwen3's chat format. Plain added tokens (not special ones), so that they stay in
+#: the decoded text where vLLM's reasoning and tool-call parsers look for them.
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+#: A Qwen3-style template: tools listed in the system turn, calls as JSON inside <tool_call>, tool
+#: results as <tool_response> in a user turn, and thinking opened in the generation prompt unless the
+#: request turns it off (then an empty thinking block is rendered, as Qwen3 does).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nFunction signatures are inside <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nTo call a function, return a JSON object with its name and arguments inside "
+    "<tool_call></tool_call>.<|im_end|>\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}"
+    "{%- else %}{{- '<think>\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 _MARKER = "carbonforge-tiny-model.json"
 
@@ -83,6 +117,7 @@ def ensure_tiny_model(directory: Path) -> Path:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    tokenizer.add_tokens(MARKUP_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=None,

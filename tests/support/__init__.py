@@ -64,7 +64,8 @@ def alive(pid: int) -> bool:
 
 
 class RuntimeProcess:
-    """``python -m carbonforge_runtime ARGS`` with its output in ``log_dir/runtime.log``."""
+    """``python -m carbonforge_runtime ARGS`` with its stdout and stderr in ``log_dir/runtime-output.txt``
+    (``runtime.log`` there is the runtime's own log file)."""
 
     def __init__(self, args: Sequence[str], log_dir: Path, port: int | None = None,
                  env: Mapping[str, str] | None = None, python: Sequence[str] | None = None) -> None:
@@ -88,7 +89,7 @@ class RuntimeProcess:
 
     @property
     def output_path(self) -> Path:
-        return self.log_dir / "runtime.log"
+        return self.log_dir / "runtime-output.txt"
 
     @property
     def base_url(self) -> str:

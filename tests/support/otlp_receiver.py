@@ -1,20 +1,31 @@
 """A real OTLP trace receiver for tests: gRPC (TraceService/Export) or HTTP (POST /v1/traces,
 protobuf body), decoding opentelemetry-proto messages into plain :class:`ReceivedSpan` values.
+It can serve TLS with a certificate made by the test (:func:`make_tls`), and it records the request
+headers (gRPC metadata) of every export.
 
     with OtlpReceiver("grpc") as receiver:
         ... export to receiver.endpoint ...
         spans = receiver.wait_for(3, timeout_s=10)
+
+    tls = make_tls(tmp_path)           # a private CA and a server certificate for 127.0.0.1/localhost
+    with OtlpReceiver("http", tls=tls) as receiver:   # https://127.0.0.1:PORT/v1/traces
+        ... export with OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE=tls.ca ...
+        receiver.headers[0]["authorization"]
 """
 
 from __future__ import annotations
 
+import datetime
 import gzip
+import ipaddress
+import ssl
 import threading
 import time
 import zlib
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -68,15 +79,73 @@ def decode_request(message: trace_service_pb2.ExportTraceServiceRequest) -> list
     return spans
 
 
-class OtlpReceiver:
-    """One receiver on 127.0.0.1, ``protocol`` "grpc" or "http". Restartable on the same port."""
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: the CA that signed the server certificate, and the server's certificate and key."""
 
-    def __init__(self, protocol: str, port: int | None = None) -> None:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls(directory: Path, name: str = "test") -> TlsFiles:
+    """A fresh private CA and a server certificate it signed for 127.0.0.1 and localhost."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    start, end = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=2)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"carbonforge {name} test CA")])
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(ca_ski, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca_name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TlsFiles(directory / f"{name}-ca.pem", directory / f"{name}-server.pem", directory / f"{name}-server.key")
+    files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()))
+    return files
+
+
+class OtlpReceiver:
+    """One receiver on 127.0.0.1, ``protocol`` "grpc" or "http", over TLS when ``tls`` is given.
+    Restartable on the same port. ``headers`` holds, per export, the request headers (HTTP) or
+    the metadata (gRPC) it received, names in lower case."""
+
+    def __init__(self, protocol: str, port: int | None = None, tls: TlsFiles | None = None) -> None:
         if protocol not in ("grpc", "http"):
             raise ValueError(protocol)
         self.protocol = protocol
         self.port = port or free_port()
+        self.tls = tls
         self.spans: list[ReceivedSpan] = []
+        self.headers: list[dict[str, str]] = []
         self.requests = 0
         self._lock = threading.Lock()
         self._grpc: grpc.Server | None = None
@@ -85,14 +154,16 @@ class OtlpReceiver:
 
     @property
     def endpoint(self) -> str:
+        scheme = "https" if self.tls else "http"
         if self.protocol == "grpc":
-            return f"http://127.0.0.1:{self.port}"
-        return f"http://127.0.0.1:{self.port}/v1/traces"
+            return f"{scheme}://127.0.0.1:{self.port}"
+        return f"{scheme}://127.0.0.1:{self.port}/v1/traces"
 
-    def _store(self, message: trace_service_pb2.ExportTraceServiceRequest) -> None:
+    def _store(self, message: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]) -> None:
         spans = decode_request(message)
         with self._lock:
             self.spans.extend(spans)
+            self.headers.append(headers)
             self.requests += 1
 
     def start(self) -> OtlpReceiver:
@@ -101,17 +172,29 @@ class OtlpReceiver:
 
             class Service(trace_service_pb2_grpc.TraceServiceServicer):
                 def Export(self, request: Any, context: Any) -> Any:
-                    receiver._store(request)
+                    metadata = {str(k).lower(): str(v) for k, v in context.invocation_metadata()}
+                    receiver._store(request, metadata)
                     return trace_service_pb2.ExportTraceServiceResponse()
 
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
             trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
-            server.add_insecure_port(f"127.0.0.1:{self.port}")
+            if self.tls:
+                credentials = grpc.ssl_server_credentials([(self.tls.key.read_bytes(), self.tls.cert.read_bytes())])
+                server.add_secure_port(f"127.0.0.1:{self.port}", credentials)
+            else:
+                server.add_insecure_port(f"127.0.0.1:{self.port}")
             server.start()
             self._grpc = server
         else:
             self._http = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
             self._http.daemon_threads = True
+            self._http.handle_error = lambda request, address: None  # type: ignore[method-assign]
+            if self.tls:
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                context.load_cert_chain(self.tls.cert, self.tls.key)
+                # the handshake runs in the handler's thread, so a client that gives up never blocks accept()
+                self._http.socket = context.wrap_socket(self._http.socket, server_side=True,
+                                                        do_handshake_on_connect=False)
             self._http_thread = threading.Thread(target=self._http.serve_forever, daemon=True)
             self._http_thread.start()
         return self
@@ -133,7 +216,7 @@ class OtlpReceiver:
                     return
                 message = trace_service_pb2.ExportTraceServiceRequest()
                 message.ParseFromString(body)
-                receiver._store(message)
+                receiver._store(message, {k.lower(): v for k, v in self.headers.items()})
                 reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")

@@ -21,3 +21,15 @@ def test_typed_values_and_defaults() -> None:
     assert settings.vllm_extra_args == ["--a", "b c"]
     assert load_settings({}).metrics_port == 9105 and load_settings({}).fake_nvml is None
     assert not load_settings({}).is_set("CF_METRICS_PORT")
+
+
+@pytest.mark.parametrize(("raw", "offline"), [
+    ("1", True), ("ON", True), ("on", True), ("Yes", True), ("TRUE", True), ("tRuE", True),
+    ("0", False), ("off", False), ("false", False), ("2", False), ("offline", False), (" 1", False),
+])
+def test_hf_hub_offline_reads_every_value_as_huggingface_hub_does(raw: str, offline: bool) -> None:
+    """huggingface_hub takes 1/ON/YES/TRUE in any case for true and anything else for false, never an error."""
+    assert load_settings({"HF_HUB_OFFLINE": raw}).hf_hub_offline is offline
+    from huggingface_hub.constants import _is_true
+
+    assert _is_true(raw) is offline  # the library the engine uses agrees

@@ -29,6 +29,14 @@ from carbonforge_runtime.runtime.doctor.model import (
     WARN,
     Check,
 )
+from carbonforge_runtime.runtime.privacy import (
+    MODELSCOPE_VARIABLE,
+    USAGE_STATS_OFF,
+    asks_for_reporting,
+    hub_offline_choice,
+    is_offline,
+    uses_modelscope,
+)
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -545,10 +553,64 @@ def _engine_build(facts: DoctorFacts) -> list[Check]:
     return []
 
 
+# --- no phone-home ------------------------------------------------------------------------------
+
+
+def _weights_present(w: WeightsFacts | None) -> bool:
+    """Whether the engine needs no download for these weights (the runtime then serves offline)."""
+    if w is None:
+        return False
+    if w.kind in ("builtin", "local"):
+        return w.kind == "builtin" or w.snapshot is not None
+    return w.snapshot is not None and w.has_weight_files
+
+
+def privacy_checks(facts: DoctorFacts) -> list[Check]:
+    """Variables that would let the engine report usage, or reach a hub for weights it already has."""
+    if facts.privacy_env is None:
+        return []
+    env = dict(facts.privacy_env)
+    forced = ", ".join(f"{name}={value}" for name, value in USAGE_STATS_OFF.items())
+    asks = asks_for_reporting(env)
+    if asks:
+        given = ", ".join(f"{name}={value}" for name, value in asks)
+        names = " and ".join(name for name, _ in asks)
+        checks = [Check(ENGINE, "engine.telemetry", WARN,
+                        f"{given} would turn vLLM's usage reporting on; the runtime overrides it: the engine "
+                        f"runs with {forced}",
+                        f"unset {names}: it has no effect on the engine the runtime starts, and turns usage "
+                        "reporting on in any other vLLM run")]
+    else:
+        checks = [Check(ENGINE, "engine.telemetry", OK, f"no usage reporting: the engine runs with {forced}")]
+    weights = facts.weights
+    if not _weights_present(weights):
+        return checks
+    assert weights is not None
+    choice = hub_offline_choice(env)
+    if choice is not None and not is_offline(env):
+        name, value = choice
+        checks.append(Check(STORAGE, "storage.offline", WARN,
+                            f"{name}={value} lets the engine contact the Hugging Face Hub although the weights "
+                            f"of {weights.model} are on this machine; the runtime keeps that value",
+                            f"unset {name} (the runtime then serves weights already on this machine offline), or "
+                            f"set {name}=1"))
+    elif uses_modelscope(env):
+        checks.append(Check(STORAGE, "storage.offline", WARN,
+                            f"{MODELSCOPE_VARIABLE}={env[MODELSCOPE_VARIABLE]} makes the engine fetch "
+                            f"{weights.model} from ModelScope although its weights are on this machine",
+                            f"unset {MODELSCOPE_VARIABLE}"))
+    else:
+        why = f"{choice[0]}={choice[1]} from the environment" if choice else "HF_HUB_OFFLINE=1 by the runtime"
+        checks.append(Check(STORAGE, "storage.offline", OK,
+                            f"the engine serves {weights.model} without contacting a hub ({why})"))
+    return checks
+
+
 # --- all ----------------------------------------------------------------------------------------
 
 SECTION_RULES: tuple[Callable[[DoctorFacts], list[Check]], ...] = (
     host_checks, gpu_checks, recipe_checks, license_checks, tracing_checks, storage_checks, engine_checks,
+    privacy_checks,
 )
 
 
@@ -619,6 +681,9 @@ CHECKS: tuple[CheckInfo, ...] = (
               "(`models--ORG--NAME/snapshots/<revision>/config.json`), or a snapshot has no weight files; the fix "
               "names `HUGGINGFACE_HUB_CACHE`, and the right directory when the weights sit one level below (FAIL)"),
     CheckInfo("storage.log_dir", STORAGE, "the log directory (`CF_LOG_DIR`)", "it cannot be written (FAIL)"),
+    CheckInfo("storage.offline", STORAGE, "whether the engine serves weights already on this machine without a hub",
+              "`HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`) is set to a false value, which the runtime keeps, or "
+              "`VLLM_USE_MODELSCOPE` sends the engine to ModelScope (WARN)"),
     CheckInfo("engine.vllm", ENGINE, "the installed vLLM against the pinned release",
               "vLLM is missing or not the pinned release (FAIL)"),
     CheckInfo("engine.build", ENGINE, "the vLLM build against the recipe's hardware",
@@ -626,4 +691,7 @@ CHECKS: tuple[CheckInfo, ...] = (
     CheckInfo("engine.port", ENGINE, "the API port (`CF_PORT`, 8000)", "it is already taken (FAIL)"),
     CheckInfo("engine.metrics_port", ENGINE, "the metrics port (`CF_METRICS_PORT`, 9105), with `--metrics`",
               "it is already taken (FAIL)"),
+    CheckInfo("engine.telemetry", ENGINE, "vLLM's usage-statistics switches in the environment",
+              "`VLLM_NO_USAGE_STATS`, `VLLM_DO_NOT_TRACK` or `DO_NOT_TRACK` asks for reporting, e.g. `=0`; the "
+              "runtime overrides it to `1` for the engine (WARN)"),
 )

@@ -25,6 +25,7 @@ from carbonforge_runtime.errors import CarbonForgeError, OverrideError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs, resolve
 from carbonforge_runtime.runtime.launch_plan import LaunchPlan, build_recipe_plan, flags_in
+from carbonforge_runtime.runtime.privacy import WATCHED_VARIABLES
 from carbonforge_runtime.runtime.privileges import read_cap_sys_admin
 from carbonforge_runtime.settings import VARIABLES, Settings
 
@@ -185,6 +186,9 @@ class DoctorFacts:
     log_dir: PathFacts | None = None
     engine: EngineFacts | None = None
     ports: tuple[PortFacts, ...] = field(default_factory=tuple)
+    #: The reporting and hub switches set in the runtime's environment, as (name, value); None when
+    #: not collected (the pre-flight leaves them to the launch, which logs what it overrides).
+    privacy_env: tuple[tuple[str, str], ...] | None = None
 
 
 # --- probes: the I/O ----------------------------------------------------------------------------
@@ -259,6 +263,27 @@ def find_hub_snapshot(cache_dir: Path, repo: str, revision: str | None) -> Path 
         candidates.extend(others)
     for candidate in candidates:
         if (candidate / "config.json").is_file():
+            return candidate
+    return None
+
+
+def served_snapshot(cache_dir: Path, repo: str, revision: str | None) -> Path | None:
+    """The snapshot an offline engine would load: the one ``refs/<revision or main>`` names, or
+    ``snapshots/<revision>`` for a commit id; it must hold a config.json and weight files. Stricter
+    than :func:`find_hub_snapshot`, which also reports a snapshot no ref points at."""
+    folder = cache_dir / ("models--" + repo.replace("/", "--"))
+    wanted = revision or "main"
+    candidates: list[Path] = []
+    try:
+        ref = folder / "refs" / wanted
+        if ref.is_file():
+            candidates.append(folder / "snapshots" / ref.read_text(encoding="utf-8").strip())
+    except OSError:
+        pass
+    if revision:
+        candidates.append(folder / "snapshots" / revision)
+    for candidate in candidates:
+        if (candidate / "config.json").is_file() and snapshot_has_weights(candidate):
             return candidate
     return None
 
@@ -490,6 +515,23 @@ def weights_facts(model: str, revision: str | None, builtin: bool, env: Mapping[
     return WeightsFacts(model, "hub", offline, cache_dir, source, snapshot, has_files, elsewhere)
 
 
+def weights_on_host(model: str, revision: str | None, builtin: bool, env: Mapping[str, str]) -> str | None:
+    """Why serving ``model`` needs no download (the engine can then run offline), or None when its
+    weights are not on this machine or cannot be looked at. Reads the Hugging Face cache that ``env``
+    names (the engine inherits it)."""
+    if builtin:
+        return "built-in model, generated on this machine"
+    try:
+        path = Path(model).expanduser()
+        if model.startswith(("/", "./", "../", "~")) or path.exists():
+            return f"local model directory {model}" if path.is_dir() else None
+        cache_dir, _ = hub_cache_dir(env)
+        found = served_snapshot(Path(cache_dir), model, revision)
+    except (OSError, ValueError):
+        return None
+    return f"in the Hugging Face cache {cache_dir}" if found is not None else None
+
+
 # --- collection ---------------------------------------------------------------------------------
 
 T = TypeVar("T")
@@ -600,6 +642,8 @@ def collect_facts(
         log_dir=directory(str(settings.log_dir)),
         engine=engine,
         ports=tuple(ports),
+        privacy_env=None if preflight else tuple((name, environ[name]) for name in WATCHED_VARIABLES
+                                                 if environ.get(name)),
     )
 
 
@@ -622,4 +666,5 @@ __all__ = [
     "WeightsFacts",
     "collect_facts",
     "tolerant_settings",
+    "weights_on_host",
 ]

@@ -4,12 +4,18 @@ Recipe mode: a premium recipe needs a valid licence entitling its context key (o
 Override mode: the model vLLM would serve (see :mod:`carbonforge_runtime.runtime.model_arg`) is
 premium when it belongs to any premium recipe; it then needs a licence entitling one of them.
 Either way a refusal is a :class:`LicenseInvalid` (exit code 4) raised before vLLM is started.
+
+A speculative-decoding draft model is served too, so it is gated like the main model in both modes:
+vLLM 0.32 takes it from ``--speculative-config``/``-sc`` (JSON with a ``model`` key), the dotted
+``--speculative-config.model X``, ``--spec-model X``, or the same keys of a ``--config`` file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.errors import LicenseError, UsageError
@@ -24,7 +30,14 @@ from carbonforge_runtime.runtime.licensing.core import (
     verify,
 )
 from carbonforge_runtime.runtime.licensing.source import ENV_VAR, LicenseSource, license_file, read_license
-from carbonforge_runtime.runtime.model_arg import model_choices, model_matches, normalise_model_id, resolve_model
+from carbonforge_runtime.runtime.model_arg import (
+    CONFIG_FLAG,
+    model_choices,
+    model_matches,
+    normalise_model_id,
+    read_config_file,
+    resolve_model,
+)
 from carbonforge_runtime.settings import Settings
 
 NO_LICENSE = "no license key provided"
@@ -106,11 +119,19 @@ def gate_override(model: str, args: Sequence[str], recipes: Mapping[str, Recipe]
     if normalise_model_id(served) != normalise_model_id(model):
         raise LicenseInvalid("malformed", f"the model to gate ({model!r}) is not the one the arguments serve "
                              f"({served!r})", "name the model exactly once")
+    claims = _gate_model(served, "model", recipes, settings, now, keys)
+    drafts = gate_draft_models(args, recipes, settings, now, keys)
+    return claims or drafts
+
+
+def _gate_model(served: str, role: str, recipes: Mapping[str, Recipe], settings: Settings, now: float,
+                keys: Callable[[], Mapping[str, bytes]] | None) -> LicenseClaims | None:
+    """None when ``served`` belongs to no premium recipe; else the claims of a licence entitling one of them."""
     owners = premium_owners(served, recipes)
     if not owners:
         return None
     listed = ", ".join(recipe.key_text for recipe in owners)
-    subject = f"model {served!r} belongs to {PLAN_PREMIUM}-plan recipe(s) {listed}"
+    subject = f"{role} {served!r} belongs to {PLAN_PREMIUM}-plan recipe(s) {listed}"
     claims, _ = licensed_claims(subject, settings, now, keys)
     entitled = [recipe for recipe in owners if entitles(claims, recipe.key_text, recipe.model.repo)]
     if not entitled:
@@ -123,6 +144,107 @@ def gate_override(model: str, args: Sequence[str], recipes: Mapping[str, Recipe]
         )
     _log_granted(claims, f"{served} (through {entitled[0].key_text})", now)
     return claims
+
+
+SPEC_CONFIG_FLAG = "--speculative-config"
+SPEC_CONFIG_SHORT = "-sc"
+SPEC_MODEL_FLAG = "--spec-model"
+CANNOT_GATE_DRAFT = "could not determine which draft model to gate"
+
+
+def _refuse_draft(message: str, remedy: str) -> LicenseError:
+    return LicenseError(f"{CANNOT_GATE_DRAFT}: {message}", remedy)
+
+
+def _draft_in_json(text: str) -> str | None:
+    """The ``model`` of a --speculative-config value (JSON, or empty/None for no config)."""
+    if text in ("", "None"):
+        return None
+    try:
+        config = json.loads(text)
+    except ValueError:
+        return None  # vLLM refuses a value that is not JSON, so nothing is served from it
+    model = config.get("model") if isinstance(config, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _dotted_value(text: str) -> str:
+    """A dotted field's value as vLLM reads it: JSON when it parses, else the text itself."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, str) else text
+
+
+def _drafts_in_config(path: str, read: Callable[[str], Any]) -> list[str]:
+    try:
+        config = read(path)
+    except Exception as exc:
+        raise _refuse_draft(f"the --config file {path!r} cannot be read ({exc})",
+                            "make the config file readable, or name the models on the command line") from None
+    found: list[str] = []
+    for key, value in (config.items() if isinstance(config, dict) else ()):
+        name = str(key).replace("_", "-")
+        if name == SPEC_CONFIG_FLAG[2:]:
+            model = value.get("model") if isinstance(value, dict) else _draft_in_json(str(value))
+            if isinstance(model, str):
+                found.append(model)
+        elif name == SPEC_MODEL_FLAG[2:] and value is not None:
+            found.append(str(value))
+    return found
+
+
+def draft_models(args: Sequence[str], read: Callable[[str], Any] = read_config_file) -> list[str]:
+    """Every model the vLLM arguments name as a speculative-decoding draft model, in every form vLLM
+    0.32 accepts. An abbreviation of one of those flags (argparse would accept it) is refused rather
+    than guessed."""
+    found: list[str] = []
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg == CONFIG_FLAG and i + 1 < len(args):
+            found += _drafts_in_config(args[i + 1], read)
+            continue
+        if not arg.startswith("-"):
+            continue
+        head, sep, inline = arg.partition("=")
+        base, dot, field_path = head.partition(".")
+        if base.startswith("--"):
+            base = base.replace("_", "-")
+        elif base.startswith(SPEC_CONFIG_SHORT) and base != SPEC_CONFIG_SHORT:
+            raise _refuse_draft(f"{arg!r} joins a value to {SPEC_CONFIG_SHORT}",
+                                f"write {SPEC_CONFIG_SHORT} JSON or {SPEC_CONFIG_FLAG} JSON as two arguments")
+        following = args[i + 1] if i + 1 < len(args) else None
+        value = inline if sep else following
+        if base in (SPEC_CONFIG_FLAG, SPEC_CONFIG_SHORT):
+            if value is None:
+                continue
+            if not dot:
+                model = _draft_in_json(value)
+            elif field_path == "model":
+                model = _dotted_value(value)
+            else:
+                model = None
+            if model is not None:
+                found.append(model)
+        elif base == SPEC_MODEL_FLAG and not dot:
+            if value is not None and (sep or not value.startswith("-")):
+                found.append(value)
+        elif len(base) > 3 and any(full.startswith(base) for full in (SPEC_CONFIG_FLAG, SPEC_MODEL_FLAG)) \
+                and base not in ("--spec-method", "--spec-tokens"):
+            raise _refuse_draft(f"{head!r} abbreviates a speculative-decoding flag",
+                                f"write {SPEC_CONFIG_FLAG} or {SPEC_MODEL_FLAG} in full")
+    return found
+
+
+def gate_draft_models(args: Sequence[str], recipes: Mapping[str, Recipe], settings: Settings, now: float,
+                      keys: Callable[[], Mapping[str, bytes]] | None = None) -> LicenseClaims | None:
+    """Gate every speculative draft model ``args`` name like a main model: a premium one needs a
+    licence entitling one of its recipes. Returns the claims used, if any."""
+    granted = None
+    for draft in dict.fromkeys(draft_models(args)):
+        granted = _gate_model(draft, "speculative draft model", recipes, settings, now, keys) or granted
+    return granted
 
 
 def check_recipe_args(recipe: Recipe, planned_model: str, engine_args: Sequence[str]) -> None:

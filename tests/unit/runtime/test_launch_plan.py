@@ -10,7 +10,13 @@ from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.gpu.types import GpuSnapshot
 from carbonforge_runtime.recipes import load_recipes, parse_hardware, shipped_recipes_dir
 from carbonforge_runtime.recipes.hardware import hardware_mismatches
-from carbonforge_runtime.runtime.launch_plan import ENGINE_MODULE, build_override_plan, build_recipe_plan, flags_in
+from carbonforge_runtime.runtime.launch_plan import (
+    ENGINE_MODULE,
+    MIDDLEWARE,
+    build_override_plan,
+    build_recipe_plan,
+    flags_in,
+)
 from carbonforge_runtime.runtime.serve import ServeOptions, prepare, serve
 from carbonforge_runtime.settings import load_settings
 
@@ -74,7 +80,9 @@ def test_override_warning_is_logged_at_serve(capsys: pytest.CaptureFixture[str])
         logger.removeHandler(keep)
     warnings = [r.getMessage() for r in seen]
     assert warnings == ["CF_GPU_MEMORY_UTILIZATION departs from the benchmark: "
-                        "gpu_memory_utilization 0.9 (recipe) -> 0.6"]
+                        "gpu_memory_utilization 0.9 (recipe) -> 0.6",
+                        "the API on port 8000 takes requests from anyone who can reach it: set CF_API_KEY "
+                        "(or CF_API_KEY_FILE) to require a key"]
     assert "gpu_memory_utilization  0.6         CF_GPU_MEMORY_UTILIZATION" in capsys.readouterr().out
 
 
@@ -110,7 +118,8 @@ def test_override_plan_adds_served_name_and_port() -> None:
     plan = build_override_plan(["/models/x", "--max-model-len", "512"], settings, "/models/x")
     assert plan.argv[3:] == ["--model", "/models/x", "--max-model-len", "512", "--served-model-name", "/models/x",
                              "--port", "8123", "--host", "0.0.0.0", "--shutdown-timeout", "30",
-                             "--scheduler-cls", "carbonforge_runtime.engine.scheduler.make_scheduler"]
+                             "--scheduler-cls", "carbonforge_runtime.engine.scheduler.make_scheduler",
+                             "--middleware", MIDDLEWARE]
     assert plan.port == 8123
     assert any("CF_MAX_MODEL_LEN is ignored" in note for note in plan.notes)
     given = build_override_plan(["--model", "m", "--served-model-name", "svc", "--port", "9001"], settings, "m")
@@ -150,13 +159,19 @@ def test_hardware_matching(segment: str, host_name: str, problems: list[str]) ->
 
 def test_strict_hardware_refuses_before_anything_starts() -> None:
     backend = FakeGpuBackend(host("l4"))
-    options = ServeOptions(context_key="qwen3-32b:fp8:chat:a100-80x1", strict_hardware=True, dry_run=True)
+    options = ServeOptions(context_key="qwen3-32b:fp8:chat:a100-80x1", strict_hardware=True)
     with pytest.raises(HardwareMismatchError) as info:
         prepare(options, load_settings({}), {}, backend)
     assert "a100-80x1" in info.value.message and "--strict-hardware" in info.value.remedy
     no_driver = FakeGpuBackend(GpuSnapshot(False, "NVML could not be loaded: no NVIDIA driver"))
     with pytest.raises(HardwareMismatchError, match="no NVIDIA driver"):
         prepare(options, load_settings({}), {}, no_driver)
+    # A dry run reports the same refusal with the plan instead of raising, and exits with its code.
+    dry = prepare(ServeOptions(context_key=options.context_key, strict_hardware=True, dry_run=True),
+                  load_settings({}), {}, backend)
+    assert [type(exc) for exc in dry.verdicts.refusals] == [HardwareMismatchError]
+    assert dry.verdicts.exit_code == 3
+    assert "hardware:           REFUSED (--strict-hardware): a launch would not start" in dry.verdicts.describe()
 
 
 def test_mismatch_without_strict_still_plans() -> None:

@@ -269,7 +269,8 @@ def test_registry_keeps_the_arrival_order_families() -> None:
 
 def _recipe_yaml(key: str, family: str) -> str:
     return (f"key: {key}\nplan: free\nmodel: {{repo: carbonforge/tiny-chat, builtin: tiny-chat}}\n"
-            f"vllm: {{max_num_seqs: 1}}\nscheduler: {{family: {family}, params: {{}}}}\n")
+            f"vllm: {{max_num_seqs: 1}}\nscheduler: {{family: {family}, params: {{}}}}\n"
+            "api: {reasoning_parser: null, tool_call_parser: null}\n")
 
 
 def test_oracle_is_refused_in_the_shipped_recipes_but_allowed_in_a_benchmark_dir(

@@ -1,0 +1,1 @@
+"""Code that runs inside vLLM's API server process (loaded with ``--middleware``)."""

@@ -1,0 +1,230 @@
+"""The request contract of the OpenAI-compatible API: what the runtime tells the API server, and the
+decision over one request body. Pure: plain data in, plain data out.
+
+The runtime builds an :class:`ApiContract` from the recipe (does the model reason, does it call
+tools, how many thinking tokens each effort allows) and hands it to vLLM's API server process in the
+environment variable :data:`API_CONTRACT_VARIABLE`. The ASGI middleware there
+(:mod:`carbonforge_runtime.apiserver.request_contract`) calls :func:`check_request` on every JSON
+request and either forwards the (possibly rewritten) body or answers with the :class:`ApiError`.
+
+Effort values a client may send (``chat_template_kwargs`` or the OpenAI SDK's ``reasoning_effort``):
+``low`` (the default), ``medium``, ``xhigh``, or ``{"enable_thinking": false}``. Each accepted value
+becomes what a Qwen3-style chat template understands: ``enable_thinking`` in the template
+arguments, plus vLLM's ``thinking_token_budget`` when the recipe caps that effort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from carbonforge_runtime.core.contract import ContractError
+
+API_CONTRACT_VERSION = 1
+#: The variable the API server process reads its contract from.
+API_CONTRACT_VARIABLE = "CF_API_CONFIG"
+EFFORTS = ("low", "medium", "xhigh")
+DEFAULT_EFFORT = "low"
+#: The effort that turns thinking off.
+NO_THINKING = "off"
+
+CHAT_PATH = "/v1/chat/completions"
+#: Endpoints whose body must be a JSON object (the chat endpoint gets the full check).
+JSON_PATHS = frozenset({CHAT_PATH, "/v1/completions", "/v1/embeddings", "/v1/responses"})
+#: Path prefixes that vLLM's key check guards (the probes /health and /metrics stay open).
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+MSG_INVALID_JSON = "Invalid JSON payload"
+MSG_MISSING_MESSAGES = "Missing required parameter: 'messages'"
+MSG_BAD_EFFORT = "Unexpected reasoning effort"
+MSG_NO_TOOLS = "This model does not support tool calls"
+MSG_NO_KEY = "Authentication Error, No api key passed in."
+MSG_WRONG_KEY = "Authentication Error, Invalid API key passed in."
+
+
+@dataclass(frozen=True)
+class ApiContract:
+    """What the API server enforces and how it maps efforts for the served model."""
+
+    #: The model thinks before answering (a reasoning parser splits the thinking off).
+    reasoning: bool = False
+    #: Tool calls are parsed out of the output (a tool-call parser is configured).
+    tools: bool = False
+    #: Thinking tokens allowed per effort (``low``, ``medium``, ``xhigh``); ``None`` or absent: no cap.
+    thinking_budget: Mapping[str, int | None] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return orjson.dumps({
+            "version": API_CONTRACT_VERSION,
+            "reasoning": self.reasoning,
+            "tools": self.tools,
+            "thinking_budget": dict(self.thinking_budget),
+        }).decode()
+
+    def env(self) -> dict[str, str]:
+        return {API_CONTRACT_VARIABLE: self.to_json()}
+
+    @classmethod
+    def from_json(cls, text: str) -> ApiContract:
+        try:
+            data = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise ContractError(f"{API_CONTRACT_VARIABLE} is not JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("version") != API_CONTRACT_VERSION:
+            raise ContractError(f"{API_CONTRACT_VARIABLE} is not version {API_CONTRACT_VERSION} of the API contract")
+        unknown = set(data) - {"version", "reasoning", "tools", "thinking_budget"}
+        if unknown:
+            raise ContractError(f"{API_CONTRACT_VARIABLE} has unknown fields: {', '.join(sorted(unknown))}")
+        reasoning, tools = data.get("reasoning", False), data.get("tools", False)
+        budget = data.get("thinking_budget", {})
+        if not isinstance(reasoning, bool) or not isinstance(tools, bool) or not isinstance(budget, dict):
+            raise ContractError(f"{API_CONTRACT_VARIABLE} has an ill-typed field")
+        for effort, tokens in budget.items():
+            if effort not in EFFORTS or not (tokens is None or (isinstance(tokens, int) and tokens > 0)):
+                raise ContractError(f"{API_CONTRACT_VARIABLE}: bad thinking budget {effort}={tokens!r}")
+        return cls(reasoning, tools, budget)
+
+
+@dataclass(frozen=True)
+class ApiError:
+    """An error answer in the OpenAI shape."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type: str = "invalid_request_error"
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}})
+
+
+def auth_error(key_sent: bool) -> ApiError:
+    """The 401 for a request vLLM's key check refused: no key at all, or a wrong one."""
+    if key_sent:
+        return ApiError(401, MSG_WRONG_KEY, None, "invalid_api_key", "authentication_error")
+    return ApiError(401, MSG_NO_KEY, None, "missing_api_key", "authentication_error")
+
+
+def is_guarded(path: str) -> bool:
+    return path.startswith(GUARDED_PREFIXES)
+
+
+_BAD_EFFORT = ApiError(400, MSG_BAD_EFFORT, "chat_template_kwargs", "invalid_reasoning_effort")
+
+
+def effort_of(template_kwargs: Any, top_level: Any) -> str | ApiError:
+    """The effort a chat request asks for (``low``, ``medium``, ``xhigh`` or :data:`NO_THINKING`).
+
+    ``template_kwargs`` is the request's ``chat_template_kwargs``; ``top_level`` its
+    ``reasoning_effort`` (what the OpenAI SDK sends). Both may be absent (``None``).
+    """
+    from_kwargs: str | None = None
+    if template_kwargs is not None:
+        if not isinstance(template_kwargs, dict):
+            return _BAD_EFFORT
+        if template_kwargs == {"enable_thinking": False}:
+            from_kwargs = NO_THINKING
+        elif len(template_kwargs) == 1 and template_kwargs.get("reasoning_effort") in EFFORTS:
+            from_kwargs = template_kwargs["reasoning_effort"]
+        elif template_kwargs:
+            return _BAD_EFFORT
+    from_top: str | None = None
+    if top_level is not None:
+        if top_level not in EFFORTS:
+            return ApiError(400, MSG_BAD_EFFORT, "reasoning_effort", "invalid_reasoning_effort")
+        from_top = top_level
+    if from_kwargs is not None and from_top is not None and from_kwargs != from_top:
+        return _BAD_EFFORT
+    return from_kwargs or from_top or DEFAULT_EFFORT
+
+
+def apply_effort(request: dict[str, Any], effort: str, contract: ApiContract) -> None:
+    """Rewrite ``request`` in place into what the served model's chat template understands."""
+    request.pop("reasoning_effort", None)
+    if not contract.reasoning:
+        request.pop("chat_template_kwargs", None)
+        return
+    thinking = effort != NO_THINKING
+    request["chat_template_kwargs"] = {"enable_thinking": thinking}
+    budget = contract.thinking_budget.get(effort) if thinking else None
+    if budget is not None and request.get("thinking_token_budget") is None:
+        request["thinking_token_budget"] = budget
+
+
+def _wants_tools(request: Mapping[str, Any]) -> bool:
+    return bool(request.get("tools")) and request.get("tool_choice") != "none"
+
+
+def check_request(path: str, body: bytes, contract: ApiContract) -> bytes | ApiError:
+    """The body to forward for a POST to ``path`` (``body`` itself when nothing changes), or the
+    error to answer with. Paths outside :data:`JSON_PATHS` are not looked at."""
+    if path not in JSON_PATHS:
+        return body
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ApiError(400, MSG_INVALID_JSON, None, "invalid_json")
+    if not isinstance(request, dict):
+        return ApiError(400, MSG_INVALID_JSON, None, "invalid_json")
+    if path != CHAT_PATH:
+        return body
+    if "messages" not in request:
+        return ApiError(400, MSG_MISSING_MESSAGES, "messages", "missing_required_parameter")
+    effort = effort_of(request.get("chat_template_kwargs"), request.get("reasoning_effort"))
+    if isinstance(effort, ApiError):
+        return effort
+    if not contract.tools and _wants_tools(request):
+        return ApiError(400, MSG_NO_TOOLS, "tools", "tools_not_supported")
+    if not contract.reasoning and "chat_template_kwargs" not in request and "reasoning_effort" not in request:
+        return body
+    apply_effort(request, effort, contract)
+    return orjson.dumps(request)
+
+
+#: vLLM 0.32 names the thinking ``reasoning``; clients of the OpenAI-compatible API read
+#: ``reasoning_content`` (the name DeepSeek's API made common). Answers carry both.
+_REASONING = b'"reasoning"'
+
+
+def _alias_choices(response: Any) -> bool:
+    changed = False
+    if not isinstance(response, dict):
+        return False
+    for choice in response.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        for part in ("message", "delta"):
+            holder = choice.get(part)
+            if isinstance(holder, dict) and "reasoning" in holder and "reasoning_content" not in holder:
+                holder["reasoning_content"] = holder["reasoning"]
+                changed = True
+    return changed
+
+
+def alias_reasoning_json(body: bytes) -> bytes:
+    """A chat completion answer with ``reasoning_content`` beside ``reasoning``."""
+    if _REASONING not in body:
+        return body
+    try:
+        response = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    return orjson.dumps(response) if _alias_choices(response) else body
+
+
+def alias_reasoning_events(events: bytes) -> bytes:
+    """Server-sent events of a streamed chat completion (whole ``data: ...`` events), each chunk
+    with ``delta.reasoning_content`` beside ``delta.reasoning``."""
+    if _REASONING not in events:
+        return events
+    out = []
+    for event in events.split(b"\n\n"):
+        if event.startswith(b"data: {") and _REASONING in event:
+            event = b"data: " + alias_reasoning_json(event[6:])
+        out.append(event)
+    return b"\n\n".join(out)

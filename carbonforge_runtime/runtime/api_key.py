@@ -1,0 +1,43 @@
+"""The API key clients must send: from CF_API_KEY, or read from the file CF_API_KEY_FILE names."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from carbonforge_runtime.errors import UsageError
+from carbonforge_runtime.settings import Settings
+
+#: A key is a line of text; a file far larger is the wrong file.
+MAX_KEY_FILE_BYTES = 4096
+
+
+def read_api_key(settings: Settings) -> str | None:
+    """The key, or None when the API is to stay open. CF_API_KEY wins over the file."""
+    if settings.api_key:
+        return settings.api_key
+    path = settings.api_key_file
+    if not path:
+        return None
+    fix = "point CF_API_KEY_FILE at a readable file holding the key on one line (or set CF_API_KEY)"
+    try:
+        # O_NONBLOCK: a FIFO without a writer must not hang the start-up.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UsageError(f"CF_API_KEY_FILE={path}: cannot be read ({exc.strerror})", fix) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"CF_API_KEY_FILE={path}: is not a regular file", fix)
+        if info.st_size > MAX_KEY_FILE_BYTES:
+            raise UsageError(f"CF_API_KEY_FILE={path}: {info.st_size} bytes is too large for a key", fix)
+        raw = os.read(fd, MAX_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        key = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise UsageError(f"CF_API_KEY_FILE={path}: is not UTF-8 text", fix) from None
+    if not key or any(ch.isspace() for ch in key):
+        raise UsageError(f"CF_API_KEY_FILE={path}: holds no key, or a key with spaces in it", fix)
+    return key

@@ -1,0 +1,111 @@
+"""End to end: the command line means what it says with the real vLLM CPU engine, and `ready:` is
+printed only when the server answering the API port is the runtime's own engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+from tests.support import TINY_KEY, RuntimeProcess, alive, descendants, free_port
+
+#: A foreign server: answers GET /health with 200 on the port given as argv[1].
+FOREIGN_SERVER = """
+import http.server, sys
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+print("listening", flush=True)
+server.serve_forever()
+"""
+
+
+def engines_on(port: int) -> set[int]:
+    """Live vLLM API server processes started for ``port`` (from their command lines in /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [word.decode(errors="replace") for word in command]
+        if "vllm.entrypoints.openai.api_server" in words and f"--port {port}" in " ".join(words):
+            found.add(int(entry.name))
+    return found
+
+
+def test_a_foreign_server_on_the_api_port_is_not_taken_for_the_engine(tmp_path: Path) -> None:
+    port = free_port()
+    script = tmp_path / "foreign-health-server.py"
+    script.write_text(FOREIGN_SERVER)
+    foreign = subprocess.Popen([sys.executable, str(script), str(port)], stdout=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        assert foreign.stdout is not None and foreign.stdout.readline().strip() == b"listening"
+        # --skip-preflight: the pre-flight would refuse the taken port; this is the port taken after it.
+        runtime = RuntimeProcess(["--context-key", TINY_KEY, "--skip-preflight"], tmp_path, port=port).start()
+        assert runtime.proc is not None
+        seen: set[int] = set()
+        try:
+            deadline = time.monotonic() + 120
+            while runtime.proc.poll() is None and time.monotonic() < deadline:
+                seen |= descendants(runtime.proc.pid)
+                time.sleep(0.02)
+            code = runtime.wait(30)
+            out = runtime.output()
+            assert code != 0, out
+            assert "ready:" not in out
+            assert f"port {port} is served by another process, not by this runtime's vLLM: pid {foreign.pid}" in out
+            assert "foreign-health-server" in out  # the other process, named by its command line
+            assert "stopping vLLM" in out and "Traceback" not in out
+            assert "carbonforge-runtime starting vLLM" in runtime.engine_log()  # the engine was started
+            end = time.monotonic() + 20
+            while (left := {pid for pid in seen | engines_on(port) if alive(pid)}) and time.monotonic() < end:
+                time.sleep(0.2)
+            assert left == set(), "engine processes outlived the runtime:\n" + runtime.describe(left)
+            # The runtime's own log file says the same.
+            assert f"port {port} is served by another process" in (tmp_path / "runtime.log").read_text()
+            assert foreign.poll() is None  # the other server is not ours to stop
+        finally:
+            runtime.known_children |= seen
+            runtime.kill()
+    finally:
+        os.killpg(foreign.pid, signal.SIGKILL)
+        foreign.wait(10)
+
+
+def test_port_and_name_after_the_double_dash_are_the_ones_waited_on_and_announced(tmp_path: Path) -> None:
+    settings_port, real_port = free_port(), free_port()
+    args = ["--context-key", TINY_KEY, "--", "--port", str(real_port), "--served-model-name", "tiny-alias"]
+    runtime = RuntimeProcess(args, tmp_path, port=real_port, env={"CF_PORT": str(settings_port)}).start()
+    try:
+        runtime.wait_ready()
+        out = runtime.output()
+        assert f"ready: OpenAI API on http://127.0.0.1:{real_port}/v1 serving model 'tiny-alias'" in out
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{real_port}/v1", api_key="unused", timeout=120,
+                               max_retries=0)
+        response = client.chat.completions.create(model="tiny-alias", max_tokens=4,
+                                                  messages=[{"role": "user", "content": "Hello"}])
+        assert response.model == "tiny-alias"
+        # runtime.log beside vllm.log holds the runtime's own lines.
+        log_text = (tmp_path / "runtime.log").read_text()
+        assert f"ready: OpenAI API on http://127.0.0.1:{real_port}/v1" in log_text
+        assert (tmp_path / "vllm.log").exists()
+        assert runtime.stop(signal.SIGTERM, timeout_s=60) == 0, runtime.output()
+        assert runtime.leftover_children() == set()
+    finally:
+        runtime.kill()
