@@ -91,20 +91,44 @@ def _header(message: Message, name: bytes) -> bytes:
 
 class _ReasoningAlias:
     """A ``send`` that adds ``reasoning_content`` beside vLLM's ``reasoning`` in chat answers: a JSON
-    answer is held until whole (its length changes), a stream is rewritten event by event."""
+    answer is held until whole (its length changes), a stream is rewritten event by event. With
+    ``key_sent`` given (keys are checked), it also reshapes a 401 as :class:`_Reshaped` does: one
+    wrapper instead of two, since a stream passes every event through it."""
 
-    __slots__ = ("held", "pending", "send", "start", "streaming")
+    __slots__ = ("held", "key_sent", "pending", "replaced", "send", "start", "streaming")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, key_sent: bool | None = None) -> None:
         self.send = send
+        self.key_sent = key_sent
+        self.replaced = False
         self.start: Message | None = None
         self.streaming = False
         self.pending = b""
         self.held: list[bytes] = []
 
     async def __call__(self, message: Message) -> None:
+        if self.streaming and message["type"] == "http.response.body":  # the hot path: once per event
+            data = message.get("body", b"")
+            if self.pending:
+                data = self.pending + data
+                self.pending = b""
+            if message.get("more_body", False):
+                cut = data.rfind(b"\n\n") + 2
+                if cut < 2:
+                    self.pending = data
+                    return
+                data, self.pending = data[:cut], data[cut:]
+            message["body"] = alias_reasoning_events(data)
+            await self.send(message)
+            return
+        if self.replaced:
+            return
         kind = message["type"]
         if kind == "http.response.start":
+            if self.key_sent is not None and message["status"] == 401:
+                self.replaced = True
+                await _respond(self.send, auth_error(self.key_sent))
+                return
             content_type = _header(message, b"content-type")
             if content_type.startswith(b"text/event-stream"):
                 self.streaming = True
@@ -113,28 +137,14 @@ class _ReasoningAlias:
                 return
             await self.send(message)
             return
-        if kind != "http.response.body" or not (self.streaming or self.start is not None):
+        if kind != "http.response.body" or self.start is None:
             await self.send(message)
             return
-        more = message.get("more_body", False)
-        if self.streaming:
-            data = self.pending + message.get("body", b"")
-            if more:
-                cut = data.rfind(b"\n\n")
-                if cut < 0:
-                    self.pending = data
-                    return
-                ready, self.pending = data[: cut + 2], data[cut + 2 :]
-            else:
-                ready, self.pending = data, b""
-            await self.send({**message, "body": alias_reasoning_events(ready)})
-            return
         self.held.append(message.get("body", b""))
-        if more:
+        if message.get("more_body", False):
             return
         body = alias_reasoning_json(b"".join(self.held))
         start = self.start
-        assert start is not None
         headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         await self.send({**start, "headers": headers})
@@ -204,8 +214,9 @@ class RequestContract:
             return
         if verdict is not body:
             scope = _with_length(scope, len(verdict))
-        if guarded:
-            send = _Reshaped(send, _has_authorization(scope), None)
+        key_sent = _has_authorization(scope) if guarded else None
         if self.contract.reasoning and path == CHAT_PATH:
-            send = _ReasoningAlias(send)
+            send = _ReasoningAlias(send, key_sent)
+        elif key_sent is not None:
+            send = _Reshaped(send, key_sent, None)
         await self.app(scope, _replay(verdict, receive), send)

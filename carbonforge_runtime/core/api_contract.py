@@ -15,6 +15,7 @@ arguments, plus vLLM's ``thinking_token_budget`` when the recipe caps that effor
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,13 +183,31 @@ def check_request(path: str, body: bytes, contract: ApiContract) -> bytes | ApiE
         return ApiError(400, MSG_NO_TOOLS, "tools", "tools_not_supported")
     if not contract.reasoning and "chat_template_kwargs" not in request and "reasoning_effort" not in request:
         return body
+    if contract.reasoning and not _MAPPED_FIELDS.intersection(request):
+        # The common case (nothing sent: the default effort): add the fields, no re-serialising.
+        added: dict[str, Any] = {}
+        apply_effort(added, effort, contract)
+        return _with_fields(body, added)
     apply_effort(request, effort, contract)
     return orjson.dumps(request)
+
+
+#: The request fields :func:`apply_effort` may write or remove.
+_MAPPED_FIELDS = frozenset({"chat_template_kwargs", "reasoning_effort", "thinking_token_budget"})
+
+
+def _with_fields(body: bytes, fields: Mapping[str, Any]) -> bytes:
+    """A JSON object's text with ``fields`` (absent from it) added before its closing brace."""
+    head = body[: body.rstrip().rfind(b"}")].rstrip()
+    return head + (b"" if head.endswith(b"{") else b",") + orjson.dumps(fields)[1:-1] + b"}"
 
 
 #: vLLM 0.32 names the thinking ``reasoning``; clients of the OpenAI-compatible API read
 #: ``reasoning_content`` (the name DeepSeek's API made common). Answers carry both.
 _REASONING = b'"reasoning"'
+#: ``"reasoning":"<a JSON string>"`` as vLLM writes it (compact). Inside a JSON string every quote is
+#: escaped, so a match is always a key; one match per body is spliced without parsing.
+_REASONING_VALUE = re.compile(rb'"reasoning":("[^"\\]*(?:\\.[^"\\]*)*"|null)')  # runs, not characters
 
 
 def _alias_choices(response: Any) -> bool:
@@ -206,10 +225,27 @@ def _alias_choices(response: Any) -> bool:
     return changed
 
 
+def _splice(body: bytes) -> bytes | None:
+    """``body`` with its one reasoning value repeated as ``reasoning_content``; None when the body
+    has the key more than once or in another form (then it is parsed instead)."""
+    if body.count(_REASONING) != 1:
+        return None
+    match = _REASONING_VALUE.search(body)
+    if match is None:
+        return None
+    end = match.end()
+    return body[:end] + b',"reasoning_content":' + match.group(1) + body[end:]
+
+
 def alias_reasoning_json(body: bytes) -> bytes:
-    """A chat completion answer with ``reasoning_content`` beside ``reasoning``."""
-    if _REASONING not in body:
+    """A chat completion answer (or one streamed chunk) with ``reasoning_content`` beside ``reasoning``."""
+    if _REASONING not in body or b'"reasoning_content"' in body:
         return body
+    spliced = _splice(body)
+    return spliced if spliced is not None else _parsed_alias(body)
+
+
+def _parsed_alias(body: bytes) -> bytes:
     try:
         response = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -222,6 +258,10 @@ def alias_reasoning_events(events: bytes) -> bytes:
     with ``delta.reasoning_content`` beside ``delta.reasoning``."""
     if _REASONING not in events:
         return events
+    if events.count(b"data: ") == 1 and b'"reasoning_content"' not in events:
+        spliced = _splice(events)  # one event, as vLLM writes them
+        if spliced is not None:
+            return spliced
     out = []
     for event in events.split(b"\n\n"):
         if event.startswith(b"data: {") and _REASONING in event:

@@ -17,14 +17,15 @@ from tests.support import REPO, TEST_RECIPES, TINY_KEY, TINY_SERVED_NAME, Runtim
 def chat_both_ways(base_url: str, model: str) -> None:
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
     messages = [{"role": "user", "content": "What is the capital city of France?"}]
-    response = client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+    # 24 tokens: room for the tiny recipe's thinking budget (8) and an answer after it.
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
                                               extra_body={"ignore_eos": True})
     assert response.model == model
     assert response.id.startswith("chatcmpl-")
-    assert response.usage is not None and response.usage.completion_tokens == 12
+    assert response.usage is not None and response.usage.completion_tokens == 24
     assert response.choices[0].message.content
 
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=9, stream=True,
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=20, stream=True,
                                             stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
     pieces, usage = [], None
@@ -34,7 +35,7 @@ def chat_both_ways(base_url: str, model: str) -> None:
         if chunk.usage is not None:
             usage = chunk.usage
     assert pieces, "no streamed content"
-    assert usage is not None and usage.completion_tokens == 9 and usage.prompt_tokens > 0
+    assert usage is not None and usage.completion_tokens == 20 and usage.prompt_tokens > 0
 
 
 def stop_cleanly(runtime: RuntimeProcess, drain_s: float) -> None:

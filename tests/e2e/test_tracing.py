@@ -232,7 +232,7 @@ class TestFullLevelRecipeSession:
             if answer.user_text is not None:
                 assert record["prompt_text"].startswith("<|im_start|>")
                 assert f"<|im_start|>user\n{answer.user_text}<|im_end|>" in record["prompt_text"]
-                assert record["prompt_text"].endswith("<|im_start|>assistant\n")
+                assert record["prompt_text"].endswith("<|im_start|>assistant\n<think>\n")
             else:
                 assert record["prompt_text"] == answer.user_text or answer.id.startswith("cmpl-")
             assert record["output_text"] == answer.content

@@ -187,3 +187,19 @@ class RuntimeProcess:
                 continue
             lines.append(f"pid {pid} state {stat[0]} ppid {stat[1]} pgid {stat[2]}: {cmd[:150]}")
         return "\n".join(lines)
+
+
+def no_blank_tokens_bias() -> dict[str, int]:
+    """A ``logit_bias`` that keeps the tiny model from whitespace-only and control-character tokens.
+
+    Its random weights favour them; inside a forced tool call they make the JSON arguments run on
+    (whitespace between tokens is valid JSON) or unparseable (a raw control character in a string)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    bias: dict[str, int] = {}
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text and (not text.strip() or any(ord(ch) < 32 or ch == "\x7f" for ch in text)):
+            bias[str(token_id)] = -100
+    return bias

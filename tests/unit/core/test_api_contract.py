@@ -146,3 +146,29 @@ def test_the_contract_round_trips_and_refuses_what_it_does_not_know() -> None:
                  '{"version": 1, "thinking_budget": {"high": 5}}', '{"version": 1, "thinking_budget": {"low": 0}}'):
         with pytest.raises(ContractError):
             ApiContract.from_json(text)
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "m", "messages": []}', b'{"messages":[]}  \n',
+                                 b'{"messages": [], "x": {"y": 1}}'])
+def test_default_effort_fields_are_added_to_the_text_as_sent(raw: bytes) -> None:
+    sent = check_request(CHAT, raw, QWEN3)
+    assert isinstance(sent, bytes) and sent.startswith(raw.rstrip()[:-1].rstrip())
+    assert orjson.loads(sent) == {**orjson.loads(raw), "chat_template_kwargs": {"enable_thinking": True},
+                                  "thinking_token_budget": 1024}
+
+
+@pytest.mark.parametrize("value", ['"plain"', '"with \\"quotes\\" and \\\\ slashes"', "null", '""'])
+def test_the_reasoning_splice_keeps_any_string(value: str) -> None:
+    raw = f'{{"choices":[{{"delta":{{"reasoning":{value}}}}}]}}'.encode()
+    out = orjson.loads(alias_reasoning_json(raw))["choices"][0]["delta"]
+    assert out["reasoning_content"] == out["reasoning"] == orjson.loads(value)
+    event = b"data: " + raw + b"\n\n"
+    spliced = alias_reasoning_events(event)
+    assert spliced.endswith(b"\n\n") and orjson.loads(spliced[6:])["choices"][0]["delta"] == out
+
+
+def test_answers_the_splice_does_not_fit_are_parsed() -> None:
+    two = orjson.dumps({"choices": [{"message": {"reasoning": "a"}}, {"message": {"reasoning": "b"}}]})
+    spaced = b'{"choices": [{"message": {"reasoning": "a"}}]}'
+    assert [c["message"]["reasoning_content"] for c in orjson.loads(alias_reasoning_json(two))["choices"]] == ["a", "b"]
+    assert orjson.loads(alias_reasoning_json(spaced))["choices"][0]["message"]["reasoning_content"] == "a"

@@ -1,0 +1,223 @@
+"""The API as real clients use it: the OpenAI SDK and LangChain against the embedded default on the real
+vLLM CPU engine, with an API key required and request tracing on.
+
+One engine serves every check here. The tiny model's weights are random, so output is forced where a
+test needs a shape: tool calls by ``tool_choice`` ``required`` or a named function with a strict
+schema (structured output makes the arguments valid for it), thinking by the recipe's thinking budget
+(the engine closes the thinking block after a few tokens, so an answer follows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants, no_blank_tokens_bias
+
+API_KEY = "cf-test-key-8d1f0c5e2b"
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL: Any = {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city.",
+                                                      "strict": True, "parameters": WEATHER_SCHEMA}}
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
+# Thinking on (the default effort) costs the tiny recipe's budget of 8 tokens first.
+ROOM = 600
+
+
+class Session:
+    def __init__(self, runtime: RuntimeProcess, trace: Path) -> None:
+        self.runtime = runtime
+        self.trace = trace
+        self.client = openai.OpenAI(base_url=runtime.base_url, api_key=API_KEY, timeout=120, max_retries=0)
+        self.bias = no_blank_tokens_bias()
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    log_dir = tmp_path_factory.mktemp("api-clients")
+    trace = log_dir / "trace.jsonl"
+    runtime = RuntimeProcess(["--context-key", TINY_KEY, "--request-trace", "standard", "--trace-file", str(trace)],
+                             log_dir, env={"CF_API_KEY": API_KEY}).start()
+    try:
+        runtime.wait_ready()
+        yield Session(runtime, trace)
+        assert runtime.stop(timeout_s=60) == 0, runtime.output()
+    finally:
+        runtime.kill()
+
+
+def calls_of(message: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(name, arguments) of every call; ``required`` allows several."""
+    assert message.tool_calls, message
+    return [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_match_the_schema_streamed_or_not(session: Session, choice: Any) -> None:
+    common: Any = {"model": TINY_SERVED_NAME, "messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": choice,
+                   "max_tokens": ROOM, "seed": 11, "logit_bias": session.bias, "parallel_tool_calls": False}
+    reply = session.client.chat.completions.create(**common)
+    assert reply.choices[0].finish_reason in ("tool_calls", "stop")
+    expected = calls_of(reply.choices[0].message)
+    assert len(expected) == 1
+    for name, arguments in expected:
+        assert name == "get_weather"
+        jsonschema.validate(arguments, WEATHER_SCHEMA)
+
+    calls: dict[int, dict[str, str]] = {}
+    for chunk in session.client.chat.completions.create(**common, stream=True):
+        for part in chunk.choices:
+            for delta in part.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                if delta.function and delta.function.name:
+                    call["name"] += delta.function.name
+                if delta.function and delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+    assert list(calls) == list(range(len(expected)))
+    # same seed: the same calls, whitespace aside
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == expected
+
+
+def test_auto_tool_choice_is_accepted(session: Session) -> None:
+    reply = session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, tools=[WEATHER_TOOL],
+                                                   tool_choice="auto", max_tokens=16)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+class get_weather(BaseModel):  # the tool's name, as the model sees it
+    """Forecast for a city."""
+
+    city: str = Field(max_length=12)
+    days: int = Field(ge=1, le=7)
+
+
+def test_langchain_bind_tools(session: Session) -> None:
+    llm = ChatOpenAI(base_url=session.runtime.base_url, api_key=API_KEY,  # type: ignore[arg-type]
+                     model=TINY_SERVED_NAME, timeout=120, max_retries=0, max_tokens=ROOM, seed=5,
+                     logit_bias=session.bias)
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True, parallel_tool_calls=False)
+    message = bound.invoke("Weather in Oslo?")
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"]
+    get_weather.model_validate(message.tool_calls[0]["args"])
+    auto = llm.bind_tools([get_weather], tool_choice="auto").invoke("Hello", max_tokens=16)
+    assert auto.response_metadata["finish_reason"] in ("length", "stop", "tool_calls")
+
+
+def extra(message: Any, name: str) -> Any:
+    return (message.model_extra or {}).get(name)
+
+
+def test_thinking_arrives_in_reasoning_content_not_in_content(session: Session) -> None:
+    reply = session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=40, seed=3,
+                                                   extra_body={"ignore_eos": True})
+    message = reply.choices[0].message
+    thinking = extra(message, "reasoning_content")
+    assert thinking, message
+    assert message.content and thinking not in message.content
+    assert "<think>" not in message.content and "</think>" not in message.content
+
+    reasoning, content = [], []
+    for chunk in session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=40,
+                                                        seed=3, stream=True, extra_body={"ignore_eos": True}):
+        for part in chunk.choices:
+            if extra(part.delta, "reasoning_content"):
+                reasoning.append(extra(part.delta, "reasoning_content"))
+            if part.delta.content:
+                content.append(part.delta.content)
+    assert reasoning and content
+    assert "".join(reasoning).strip() == thinking.strip()
+
+    off = session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=16,
+                                                 extra_body={"ignore_eos": True,
+                                                             "chat_template_kwargs": {"enable_thinking": False}})
+    assert not extra(off.choices[0].message, "reasoning_content")
+    assert off.choices[0].message.content
+
+
+@pytest.mark.parametrize("kwargs", [{"reasoning_effort": "low"}, {"reasoning_effort": "medium"},
+                                    {"reasoning_effort": "xhigh"}, {"enable_thinking": False}])
+def test_documented_efforts_succeed(session: Session, kwargs: dict[str, Any]) -> None:
+    reply = session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=8,
+                                                   extra_body={"chat_template_kwargs": kwargs})
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
+
+
+def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize("effort", ["high", "max", "minimal", "none"])
+def test_undocumented_efforts_are_refused(session: Session, effort: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=4,
+                                               extra_body={"chat_template_kwargs": {"reasoning_effort": effort}})
+    assert caught.value.status_code == 400
+    assert error_of(caught.value)["message"] == "Unexpected reasoning effort"
+
+
+def test_malformed_json_and_a_missing_messages_parameter(session: Session) -> None:
+    url = f"{session.runtime.base_url}/chat/completions"
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    bad = httpx.post(url, content=b'{"model": "x", "messages": [', headers=headers, timeout=30)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == "Invalid JSON payload"
+    with pytest.raises(openai.BadRequestError) as caught:
+        session.client.post("/chat/completions", body={"model": TINY_SERVED_NAME}, cast_to=httpx.Response)
+    assert error_of(caught.value) == {"message": "Missing required parameter: 'messages'",
+                                      "type": "invalid_request_error", "param": "messages",
+                                      "code": "missing_required_parameter"}
+
+
+def test_api_keys(session: Session) -> None:
+    base = session.runtime.base_url
+    for key, message in ((None, "Authentication Error, No api key passed in."),
+                         ("wrong-key", "Authentication Error, Invalid API key passed in.")):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        answer = httpx.post(f"{base}/chat/completions", json={"model": TINY_SERVED_NAME, "messages": ASK},
+                            headers=headers, timeout=30)
+        assert answer.status_code == 401
+        assert answer.json()["error"]["message"] == message
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key="wrong-key", max_retries=0).models.list()
+    assert [m.id for m in session.client.models.list()] == [TINY_SERVED_NAME]
+    health = httpx.get(base.removesuffix("/v1") + "/health", timeout=30)
+    assert health.status_code == 200
+
+
+def test_the_key_is_in_no_log_trace_or_argument_list(session: Session) -> None:
+    runtime = session.runtime
+    assert runtime.proc is not None
+    session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=4)
+    pids = {runtime.proc.pid, *descendants(runtime.proc.pid)}
+    assert len(pids) >= 3  # the runtime, vLLM's API server and its engine core
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert API_KEY.encode() not in argv, pid
+    files = [p for p in runtime.log_dir.iterdir() if p.is_file()]
+    assert {"vllm.log", "runtime.log", "trace.jsonl"} <= {p.name for p in files}
+    for path in files:
+        assert API_KEY not in path.read_text(errors="replace"), path
+    assert session.trace.stat().st_size > 0
+    assert "API keys" not in runtime.output() or API_KEY not in runtime.output()
+    assert os.environ.get("CF_API_KEY") != API_KEY  # the key reached the runtime through its own environment
