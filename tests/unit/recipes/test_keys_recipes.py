@@ -102,7 +102,16 @@ def _valid() -> dict:
      (lambda d: d.update(hardware={"family": "h100", "count": 1}), "'hardware.family' disagrees"),
      (lambda d: d.update(drain_timeout_s=0), "'drain_timeout_s' must be a positive whole number"),
      (lambda d: d.update(drain_timeout_s=2.5), "'drain_timeout_s' must be a positive whole number of seconds, "
-                                               "got 2.5")],
+                                               "got 2.5"),
+     (lambda d: d["api"].update(reasoning_parser="qwen-3"), "'api.reasoning_parser' names 'qwen-3', which vLLM 0.32 "
+                                                            "does not register (closest: qwen3"),
+     (lambda d: d["api"].update(tool_call_parser="hermez"), "valid names: apertus, cohere_command3"),
+     (lambda d: d["api"].pop("tool_call_parser"), "'api.tool_call_parser' is missing"),
+     (lambda d: d["api"].update(thinking_budget={"high": 5}), "'api.thinking_budget.high' is not a known field"),
+     (lambda d: d["api"].update(thinking_budget={"low": 0}), "'api.thinking_budget.low' must be a positive number"),
+     (lambda d: d.update(api={"reasoning_parser": None, "tool_call_parser": None, "thinking_budget": {"low": 9}}),
+      "'api.thinking_budget' caps thinking, but reasoning_parser is null"),
+     (lambda d: d["api"].update(stream=True), "'api.stream' is not a known field")],
 )
 def test_recipe_validation_names_file_and_field(tmp_path: Path, mutate, field: str) -> None:
     data = _valid()
@@ -157,3 +166,35 @@ def test_extra_directory_wins_over_shipped(tmp_path: Path) -> None:
     _write(tmp_path, data)
     recipes = load_recipes([shipped_recipes_dir(), tmp_path])
     assert recipes["qwen3-32b:fp8:chat:a100-80x1"].vllm["max_num_seqs"] == 3
+
+
+def test_every_shipped_recipe_says_how_the_api_treats_its_model() -> None:
+    recipes = load_recipes([shipped_recipes_dir()])
+    for recipe in recipes.values():
+        assert recipe.api is not None, recipe.key_text
+    # Qwen3 chat and Qwen3 Coder call tools in different formats.
+    assert recipes["qwen3-32b:fp8:chat:a100-80x1"].api.tool_call_parser == "hermes"  # type: ignore[union-attr]
+    assert recipes["qwen3-coder-32b:fp8:coding:a100-80x1"].api.tool_call_parser == "qwen3_coder"  # type: ignore[union-attr]
+    assert recipes["qwen3-coder-32b:fp8:coding:a100-80x1"].api.reasoning_parser is None  # type: ignore[union-attr]
+
+
+def test_a_shipped_recipe_without_an_api_section_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from carbonforge_runtime.recipes import loader
+
+    data = _valid()
+    del data["api"]
+    _write(tmp_path, data)
+    assert load_recipes([tmp_path])["qwen3-32b:fp8:chat:a100-80x1"].api is None  # a user's directory may omit it
+    monkeypatch.setattr(loader, "shipped_recipes_dir", lambda: tmp_path)
+    with pytest.raises(RecipeError, match="field 'api' is missing"):
+        load_recipes([tmp_path])
+
+
+def test_the_parser_names_are_the_installed_engines() -> None:
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    from carbonforge_runtime.recipes.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    assert set(ReasoningParserManager.list_registered()) == REASONING_PARSERS
+    assert set(ToolParserManager.list_registered()) == TOOL_CALL_PARSERS
