@@ -12,8 +12,8 @@ A generated table sits between two marker comments in a page, e.g.
 
 Everything outside the markers is written by hand and left alone. Every table is built at run time
 from the code (the typer app, ``settings.VARIABLES``, ``exposition.METRICS``, the trace record's
-field tables, the doctor's ``CHECKS``, the error classes, the shipped recipes), never from a list
-kept here. The output is deterministic: no timestamps, no machine-specific paths.
+field tables, the doctor's ``CHECKS``, the error classes, the shipped recipes, the API's request
+contract), never from a list kept here. The output is deterministic: no timestamps, no machine-specific paths.
 """
 
 from __future__ import annotations
@@ -230,6 +230,110 @@ def recipes_table() -> str:
     return _table(["Context key", "Plan", "Model", "Scheduler family", "Drain time", "Description"], rows)
 
 
+def recipe_api_table() -> str:
+    """What a client of each shipped recipe talks to: the model name, the parsers, the thinking budgets."""
+    from carbonforge_runtime.core.api_contract import EFFORTS
+    from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
+
+    rows = []
+    for key, recipe in sorted(load_recipes([shipped_recipes_dir()]).items()):
+        api = recipe.api
+        if api is None:
+            raise GenerationError(f"the shipped recipe {key} has no api section")
+        if api.reasoning_parser:
+            budget = " / ".join(str(api.thinking_budget.get(effort) or "no cap") for effort in EFFORTS)
+        else:
+            budget = "no thinking"
+        rows.append((_code(key), _code(recipe.model.served_name), _code(api.reasoning_parser or "none"), budget,
+                     _code(api.tool_call_parser) if api.tool_call_parser else "`none` (tools refused)"))
+    return _table(["Context key", "Model name", "Reasoning parser", f"Thinking tokens ({' / '.join(EFFORTS)})",
+                   "Tool-call parser"], rows)
+
+
+# --- the API's request contract ----------------------------------------------------------------
+
+
+def _contract_verdict(body: dict[str, Any]) -> Any:
+    """What the request-contract middleware makes of a chat request ``body`` for a model that reasons and
+    calls tools: the forwarded request (parsed), or the ApiError it answers with."""
+    import orjson
+
+    from carbonforge_runtime.core.api_contract import CHAT_PATH, EFFORTS, ApiContract, check_request
+
+    # Budgets 1, 2, 3 stand for the recipe's low, medium and xhigh, so a forwarded budget names its effort.
+    contract = ApiContract(True, True, {effort: i for i, effort in enumerate(EFFORTS, start=1)})
+    verdict = check_request(CHAT_PATH, orjson.dumps(body), contract)
+    return verdict if not isinstance(verdict, bytes) else orjson.loads(verdict)
+
+
+def efforts_table() -> str:
+    """Every effort a chat request may ask for, and what the model's chat template and vLLM get for it."""
+    import json
+
+    from carbonforge_runtime.core.api_contract import EFFORTS, ApiError
+
+    def row(sent: str, top_level: str, body: dict[str, Any]) -> tuple[str, str, str, str]:
+        forwarded = _contract_verdict({"messages": [], **body})
+        if isinstance(forwarded, ApiError):
+            raise GenerationError(f"the request contract refuses {body}: {forwarded.message}")
+        budget = forwarded.get("thinking_token_budget")
+        cap = f"the recipe's `{EFFORTS[budget - 1]}` budget" if budget else "none (no thinking)"
+        return sent, top_level, _code(json.dumps(forwarded.get("chat_template_kwargs"))), cap
+
+    rows = [row("nothing (the default)", "", {})]
+    for effort in EFFORTS:
+        kwargs_form = {"chat_template_kwargs": {"reasoning_effort": effort}}
+        if _contract_verdict({"messages": [], "reasoning_effort": effort}) != _contract_verdict(
+                {"messages": [], **kwargs_form}):
+            raise GenerationError(f"reasoning_effort {effort!r} means something else at the top level")
+        rows.append(row(_code(json.dumps(kwargs_form["chat_template_kwargs"])), _code(json.dumps(effort)),
+                        kwargs_form))
+    off = {"enable_thinking": False}
+    rows.append(row(_code(json.dumps(off)), "(no equivalent)", {"chat_template_kwargs": off}))
+    return _table(["`chat_template_kwargs`", "or top-level `reasoning_effort`", "The chat template gets",
+                   "`thinking_token_budget`"], rows)
+
+
+def api_errors_table() -> str:
+    """The errors the runtime's request contract answers with, each produced by the code for an example."""
+    from carbonforge_runtime.core.api_contract import (
+        CHAT_PATH,
+        JSON_PATHS,
+        ApiContract,
+        ApiError,
+        auth_error,
+        check_request,
+    )
+
+    def refused(when: str, body: bytes, contract: ApiContract) -> tuple[str, ...]:
+        error = check_request(CHAT_PATH, body, contract)
+        if not isinstance(error, ApiError):
+            raise GenerationError(f"the request contract no longer refuses {body!r} ({when})")
+        return fields(when, error)
+
+    def fields(when: str, error: ApiError) -> tuple[str, ...]:
+        return (_code(error.status), _code(error.message), _code(error.type), _code(error.param or "null"),
+                _code(error.code or "null"), when)
+
+    thinking = ApiContract(reasoning=True, tools=True)
+    paths = ", ".join(_code(path) for path in sorted(JSON_PATHS))
+    rows = [
+        refused(f"the body of a POST to {paths} is not a JSON object", b'{"messages": [', thinking),
+        refused("a chat request has no `messages`", b'{"model": "m"}', thinking),
+        refused("`chat_template_kwargs` is anything but one of the efforts above (another value, another key), "
+                "or disagrees with the top-level `reasoning_effort`",
+                b'{"messages": [], "chat_template_kwargs": {"reasoning_effort": "high"}}', thinking),
+        refused("the top-level `reasoning_effort` is not one of the efforts above",
+                b'{"messages": [], "reasoning_effort": "high"}', thinking),
+        refused("`tools` sent (and `tool_choice` is not `none`) to a model served without a tool-call parser",
+                b'{"messages": [], "tools": [{"type": "function"}]}', ApiContract(tools=False)),
+        fields("keys are required and the request has no `Authorization` header", auth_error(key_sent=False)),
+        fields("keys are required and the header holds another key (or is not `Bearer KEY`)",
+               auth_error(key_sent=True)),
+    ]
+    return _table(["Status", "`message`", "`type`", "`param`", "`code`", "When"], rows)
+
+
 # --- Prometheus metrics -------------------------------------------------------------------------
 
 
@@ -337,6 +441,9 @@ TABLES: dict[str, Generated] = {
     "runtime-flags": Generated("cli.md", runtime_flags_table),
     "env-vars": Generated("environment.md", env_vars_table),
     "recipes": Generated("recipes.md", recipes_table),
+    "recipe-api": Generated("clients.md", recipe_api_table),
+    "api-efforts": Generated("clients.md", efforts_table),
+    "api-errors": Generated("clients.md", api_errors_table),
     "metrics": Generated("metrics-and-energy.md", metrics_table),
     "trace-fields-standard": Generated("tracing.md", _trace_fields("standard")),
     "trace-fields-added": Generated("tracing.md", _trace_fields("added")),
