@@ -55,6 +55,7 @@ END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "
                "<end_of_turn>", "</s>", "<｜end▁of▁sentence｜>")
 _SPECIAL_TOKEN = re.compile(r"<\|[^|<>\s]{1,40}\|>")
 _EMPTY_THINK_AT_END = re.compile(r"<think>\s*</think>\s*\Z")
+_OPEN_THINK_AT_END = re.compile(r"<think>\s*\Z")
 _SPACE = re.compile(r"\s*")
 
 
@@ -89,14 +90,15 @@ def output_variants(text: str) -> set[str]:
 def prompt_anchors(text: str) -> list[str]:
     """Prefixes of a later prompt that this prompt can appear as.
 
-    The prompt itself; and, when it ends with an empty reasoning block that the template
-    adds for the reply (thinking disabled), the prompt without it, since some templates drop
-    that block from earlier turns.
+    The prompt itself; and, when it ends with a reasoning block that the template adds for the
+    reply (an empty one when thinking is off, an opened one when the template starts the
+    thinking itself), the prompt without it, since templates drop that block from earlier turns.
     """
     anchors = [text]
-    match = _EMPTY_THINK_AT_END.search(text)
-    if match and match.start() > 0:
-        anchors.append(text[: match.start()])
+    for pattern in (_EMPTY_THINK_AT_END, _OPEN_THINK_AT_END):
+        match = pattern.search(text)
+        if match and match.start() > 0:
+            anchors.append(text[: match.start()])
     return anchors
 
 

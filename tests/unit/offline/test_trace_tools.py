@@ -449,6 +449,21 @@ def test_sessions_tolerate_a_reasoning_template_that_drops_thinking(tmp_path: Pa
                                        ["chatcmpl-0000000000000002"]]
 
 
+def test_sessions_follow_a_template_that_opens_the_thinking_itself(tmp_path: Path) -> None:
+    """The prompt ends with ``<think>``; the next turn renders the answer without the thinking."""
+    user = "<|im_start|>user\nWhere is my invoice?<|im_end|>\n"
+    first_prompt = user + "<|im_start|>assistant\n<think>\n"
+    first_output = "The user wants invoices.\n</think>\n\nBilling > Invoices."
+    second_prompt = (user + "<|im_start|>assistant\nBilling > Invoices.<|im_end|>\n"
+                     "<|im_start|>user\nAnd receipts?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    records = [
+        record(0, T0, 1.0, 0.0, prompt_text=first_prompt, output_text=first_output),
+        record(1, T0 + 5, 1.0, 0.0, prompt_text=second_prompt, output_text="x</think>Same page."),
+    ]
+    groups = grouping(write_jsonl(tmp_path / "open.jsonl", records), tmp_path / "out.jsonl")
+    assert sorted(groups.values()) == [["chatcmpl-0000000000000000", "chatcmpl-0000000000000001"]]
+
+
 def test_two_replies_to_the_same_turn_branch_into_a_new_session(tmp_path: Path) -> None:
     first_prompt = render([("system", "S"), ("user", "Q1")])
     records = [record(0, T0, 1.0, 0.0, prompt_text=first_prompt, output_text="A1")]
