@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: install everything, lint, type-check, test.
 # It installs .venv (the runtime, the CPU build of vLLM and the dev tools: ruff, mypy, import-linter,
-# pytest, hadolint) through scripts/setup.sh, and Debian's prometheus package (promtool) when missing.
+# pytest, hadolint) through scripts/setup.sh, and Debian's prometheus (promtool) and strace when missing.
 # The whole suite, with the end-to-end tests that start the real vLLM CPU engine, takes about
 # 15 minutes on a 2-core machine (the first install adds a few minutes).
 set -euo pipefail

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,30 +20,10 @@ from carbonforge_runtime.runtime.plan import ServeOptions, build_plan
 from carbonforge_runtime.runtime.serve import serve
 from carbonforge_runtime.settings import load_settings
 from tests.support import TINY_KEY
+from tests.unit.runtime.conftest import Lines
 
 SHIPPED: dict[str, Recipe] = load_recipes(recipe_dirs(None))
 PREMIUM_KEY = "qwen3-100b:fp8:chat:h100x2"
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def runtime_log() -> Iterator[Lines]:
-    handler = Lines()
-    logger = cflog.get_logger()
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(old)
 
 
 # ---- 1. --port, --host, --served-model-name among the extra flags -------------------------------

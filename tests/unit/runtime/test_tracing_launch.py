@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from carbonforge_runtime import log as cflog
 from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.core.contract import CONTRACT_ENV, SCHEDULER_CLS
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
@@ -23,27 +20,7 @@ from carbonforge_runtime.runtime.serve import ServeOptions, _create_trace_file, 
 from carbonforge_runtime.runtime.trace_options import TraceConfig
 from carbonforge_runtime.settings import load_settings
 from tests.support import REPO, TINY_KEY
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def runtime_log() -> Iterator[Lines]:
-    handler = Lines()
-    logger = cflog.get_logger()
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(old)
+from tests.unit.runtime.conftest import Lines
 
 
 def prepared(options: ServeOptions, environ: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
