@@ -6,6 +6,7 @@ FROM vllm/vllm-openai:v0.32.0
 ENV PYTHONUNBUFFERED=1 \
     CF_LOG_DIR=/var/log/carbonforge \
     CF_LICENSE_FILE=/etc/carbonforge/license.key \
+    CF_COMPILE_CACHE_DIR=/var/cache/carbonforge \
     HF_HOME=/root/.cache/huggingface
 
 WORKDIR /opt/carbonforge-runtime
@@ -17,10 +18,11 @@ COPY docker/constraints.txt docker/healthcheck.py /opt/carbonforge/
 # The constraints file keeps the base image's vLLM exactly where it is.
 RUN uv pip install --system --no-cache --constraint /opt/carbonforge/constraints.txt \
         "dumb-init==1.2.5.post1" /opt/carbonforge-runtime \
-    && mkdir -p /var/log/carbonforge /etc/carbonforge \
+    && mkdir -p /var/log/carbonforge /var/cache/carbonforge /etc/carbonforge \
     && carbonforge-runtime --version
 
-VOLUME ["/root/.cache/huggingface", "/var/log/carbonforge"]
+# Weights, logs, and what the engine compiles on its first boot (later boots load it from there).
+VOLUME ["/root/.cache/huggingface", "/var/log/carbonforge", "/var/cache/carbonforge"]
 EXPOSE 8000 9105
 
 # Weights download and engine warm-up can take many minutes on a first boot.

@@ -85,6 +85,14 @@ def _port(name: str, raw: str) -> int:
     return value
 
 
+def _directory(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not (value.startswith("/") or value == "~" or value.startswith("~/")):
+        raise OverrideError(f"{name}={raw!r} is not an absolute path",
+                            f"set {name} to an absolute directory (e.g. {name}=/var/cache/carbonforge) or unset it")
+    return value
+
+
 def _seconds(name: str, raw: str) -> float:
     try:
         value = float(raw.strip())
@@ -131,6 +139,9 @@ VARIABLES: tuple[Var, ...] = (
         _seconds, 3600.0),
     Var("CF_TINY_MODEL_DIR", "Where the built-in tiny CPU model is generated", _text,
         str(Path.home() / ".cache" / "carbonforge" / "tiny-chat")),
+    Var("CF_COMPILE_CACHE_DIR", "Where the engine keeps its compile and kernel caches (vLLM, torch Inductor, "
+        "Triton, FlashInfer, CUDA); on a volume, later boots skip compiling", _directory,
+        "~/.cache/carbonforge/compile"),
     Var("HF_TOKEN", "Hugging Face token for gated models (passed to the engine untouched)", _text),
     Var("HF_HUB_OFFLINE", "1, on, yes or true (any case) = never contact the Hugging Face hub; other values "
         "mean online, as in huggingface_hub (passed to the engine untouched)", _hf_flag, False),
@@ -148,7 +159,7 @@ VarName = Literal[
     "CF_CONTEXT_KEY", "CARBONFORGE_LICENSE_KEY", "CF_LICENSE_FILE", "CF_DRY_RUN", "CF_MAX_MODEL_LEN",
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
     "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "HF_TOKEN", "HF_HUB_OFFLINE",
-    "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE",
+    "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_COMPILE_CACHE_DIR",
 ]
 
 
@@ -234,6 +245,11 @@ class Settings:
     @property
     def tiny_model_dir(self) -> Path:
         return Path(str(self.value("CF_TINY_MODEL_DIR"))).expanduser()
+
+    @property
+    def compile_cache_dir(self) -> str:
+        """As given (``~`` unexpanded: it stands for the engine's HOME)."""
+        return str(self.value("CF_COMPILE_CACHE_DIR"))
 
     @property
     def hf_hub_offline(self) -> bool:

@@ -18,6 +18,7 @@ import typer.core
 from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.cli.errors import run_guarded
+from carbonforge_runtime.cli.fetch import FETCH_EPILOG, fetch_command
 from carbonforge_runtime.cli.ltr import ltr_app
 from carbonforge_runtime.cli.replay import replay_command
 from carbonforge_runtime.cli.trace import trace_app
@@ -55,6 +56,7 @@ recipes_app = typer.Typer(help="List and inspect the recipes this runtime knows.
 app.add_typer(recipes_app, name="recipes")
 app.add_typer(ltr_app, name="ltr")
 app.command("replay")(replay_command)
+app.command("fetch", epilog=FETCH_EPILOG)(fetch_command)
 app.add_typer(trace_app, name="trace")
 from carbonforge_runtime.cli.license import license_app  # noqa: E402
 
@@ -227,7 +229,7 @@ def _dispatch(args: list[str], environ: dict[str, str] | os._Environ[str]) -> li
         return ["serve", "--context-key", key] if key else ["doctor"]
     if environ.get("CF_CONTEXT_KEY", "").strip():
         first = args[0]
-        if first not in ("doctor", "recipes", "license", "--help", "-h", "--version", "-V"):
+        if first not in ("doctor", "fetch", "recipes", "license", "--help", "-h", "--version", "-V"):
             logger.info("CF_CONTEXT_KEY is ignored because a command was given; pass --context-key to serve a recipe")
     first = args[0]
     # A command registered without an explicit name is named after its function (as typer does it).

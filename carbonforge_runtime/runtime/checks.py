@@ -108,6 +108,15 @@ def check_licence(plan: ServePlan, recipes: Mapping[str, Recipe], settings: Sett
     return gate_override(plan.override_model, plan.override_args, recipes, settings, now=now)
 
 
+def check_fetch_licence(recipe: Recipe | None, model: str, recipes: Mapping[str, Recipe], settings: Settings,
+                        now: float) -> Any:
+    """The same gate for weights about to be fetched (``carbonforge-runtime fetch``): a premium recipe,
+    or a model that belongs to one, needs a licence that entitles it; raises the refusal."""
+    if recipe is not None:
+        return gate_recipe(recipe, settings, now=now)
+    return gate_override(model, [model], recipes, settings, now=now)
+
+
 def check_hardware(recipe: Recipe | None, gpu: GpuBackend, strict: bool) -> tuple[list[str], GpuSnapshot | None]:
     """The key's hardware segment against the GPUs (nothing to do for a CPU key or an override)."""
     if recipe is None or recipe.key.hardware.is_cpu:

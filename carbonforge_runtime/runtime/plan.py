@@ -20,6 +20,7 @@ from carbonforge_runtime.core.ordering.registry import make_family
 from carbonforge_runtime.core.redaction import redact_args, redact_url
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, resolve
+from carbonforge_runtime.runtime.compile_cache import CompileCacheEnv, engine_cache_env, resolve_root
 from carbonforge_runtime.runtime.launch_plan import (
     AUTO_TOOL_FLAG,
     ENGINE_MODULE,
@@ -80,6 +81,8 @@ class ServePlan:
     messages: list[Message] = field(default_factory=list)
     #: The switches that keep the engine from reporting usage or reaching a hub, and why.
     privacy: PrivacyEnv | None = None
+    #: Where the engine's compile and kernel caches go (CF_COMPILE_CACHE_DIR), and why.
+    compile_cache: CompileCacheEnv | None = None
 
     @property
     def recipe(self) -> Recipe | None:
@@ -124,6 +127,15 @@ def _privacy(launch: LaunchPlan, model: str, weights_present: str | None, enviro
     return privacy
 
 
+def _compile_cache(launch: LaunchPlan, settings: Settings, environ: Mapping[str, str],
+                   messages: list[Message]) -> CompileCacheEnv:
+    """Point the engine's compile and kernel caches into CF_COMPILE_CACHE_DIR (unless already set)."""
+    cache = engine_cache_env(resolve_root(settings.compile_cache_dir, launch.env), launch.env, operator=environ)
+    launch.env.update(cache.env)
+    messages += [Message("info", line) for line in cache.notes]
+    return cache
+
+
 def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, Recipe],
                environ: Mapping[str, str], cwd: str | None = None, weights_present: str | None = None,
                api_key: str | None = None) -> ServePlan:
@@ -153,8 +165,9 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
         messages += [Message("info", line) for line in launch.notes]
         present = BUILTIN_WEIGHTS if recipe.model.builtin else weights_present
         privacy = _privacy(launch, recipe.model.repo, present, environ, messages)
+        cache = _compile_cache(launch, settings, environ, messages)
         _api_access(launch, messages)
-        return ServePlan(launch, trace, messages=messages, privacy=privacy)
+        return ServePlan(launch, trace, messages=messages, privacy=privacy, compile_cache=cache)
     if not options.vllm_args:
         raise _nothing_to_serve(options, environ)
     if options.strict_hardware:
@@ -169,8 +182,9 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     launch = build_override_plan(options.vllm_args, settings, model, base_env=base_env, trace=trace)
     messages += [Message("info", line) for line in launch.notes]
     privacy = _privacy(launch, model, weights_present, environ, messages)
+    cache = _compile_cache(launch, settings, environ, messages)
     _api_access(launch, messages)
-    return ServePlan(launch, trace, model, list(options.vllm_args), messages, privacy)
+    return ServePlan(launch, trace, model, list(options.vllm_args), messages, privacy, cache)
 
 
 def api_keys_required(launch: LaunchPlan) -> bool:
@@ -284,6 +298,7 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
         out.append(f"scheduler:          {recipe.scheduler.family} {dict(recipe.scheduler.params) or ''}")
         out.append(f"controller:         {recipe.controller.policy}")
         covered = {entry.name for entry in plan.privacy.lines} if plan.privacy else set()
+        covered |= {entry.name for entry in plan.compile_cache.lines} if plan.compile_cache else set()
         for name, value in recipe.env.items():
             if name in covered:  # listed below, with why it has its value
                 continue
@@ -292,6 +307,8 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
     for entry in plan.privacy.lines if plan.privacy else []:
         setting = f"{entry.name}={entry.value}" if entry.value is not None else f"{entry.name} unset"
         out.append(f"engine environment: {setting}  ({entry.why})")
+    for entry in plan.compile_cache.lines if plan.compile_cache else []:
+        out.append(f"engine environment: {entry.name}={entry.value}  ({entry.why})")
     out.append(f"request trace:      {describe_trace(plan.trace, options)}")
     out += [f"trace export:       {line}" for line in trace_export_lines(plan.trace, environ)]
     for line in launch.departures:

@@ -164,8 +164,9 @@ def engine_privacy_env(env: Mapping[str, str], model: str, weights_present: str 
     else:
         out.lines.append(EnvLine("HF_HUB_OFFLINE", None,
                                  f"not set: {model} is not in the Hugging Face cache, the engine downloads it"))
-        out.notes.append(f"the weights of {model} are not in the Hugging Face cache: the engine downloads them "
-                         "from the hub; prefetch them to serve without network access")
+        out.notes.append(f"the weights of {model} are not (all) in the Hugging Face cache: the engine downloads "
+                         "them from the hub; `carbonforge-runtime fetch` gets them ahead, to serve without network "
+                         "access")
     host_ip = _set(env, HOST_IP_VARIABLE)
     spread = multi_host_flag(args)
     if host_ip is not None:

@@ -27,7 +27,7 @@ from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
 from carbonforge_runtime.runtime.api_key import read_api_key
 from carbonforge_runtime.runtime.checks import Verdicts, check_hardware, check_licence, hardware_refusal, preflight
-from carbonforge_runtime.runtime.doctor.facts import weights_on_host
+from carbonforge_runtime.runtime.doctor.facts import hub_cache_dir, weights_on_host
 from carbonforge_runtime.runtime.launch_plan import LaunchPlan
 from carbonforge_runtime.runtime.plan import (
     ServeOptions,
@@ -37,6 +37,7 @@ from carbonforge_runtime.runtime.plan import (
     describe_plan,
     model_source,
 )
+from carbonforge_runtime.runtime.startup_phases import repo_cache_folder
 from carbonforge_runtime.settings import Settings
 
 if TYPE_CHECKING:
@@ -270,6 +271,7 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
             engine,
             ready_url=f"http://{ready_host}:{plan.port}/health",
             api_port=plan.port,
+            download_folder=repo_cache_folder(plan.model, hub_cache_dir(engine_env)[0]),
             ready_timeout_s=settings.ready_timeout_s,
             drain_timeout_s=plan.drain_timeout_s,
             log=logger,

@@ -25,6 +25,14 @@ from pathlib import Path
 
 from carbonforge_runtime.core.redaction import redact_args
 from carbonforge_runtime.runtime.port_owner import foreign_listener_problem
+from carbonforge_runtime.runtime.startup_phases import (
+    DOWNLOADING,
+    LOADING,
+    STARTING,
+    LogFollower,
+    StartupPhases,
+    scan_download,
+)
 
 #: After SIGTERM the engine gets its drain time plus this much to exit before SIGKILL.
 SHUTDOWN_GRACE_S = 15.0
@@ -143,6 +151,14 @@ def _port_problem(engine: EngineProcess, ready_url: str, api_port: int | None) -
         return None
     host = urllib.parse.urlsplit(ready_url).hostname or "127.0.0.1"
     return foreign_listener_problem(api_port, host, engine.pid)
+
+
+def _follow(phases: StartupPhases, follower: LogFollower, download_folder: Path | None, now: float) -> None:
+    """Bring the start-up phases up to date with what the engine wrote since the last look."""
+    for line in follower.read_lines():
+        phases.feed(line, now)
+    if download_folder is not None and phases.phase in (STARTING, LOADING, DOWNLOADING):
+        phases.note_download(*scan_download(download_folder), now)
 
 
 @dataclass
@@ -313,27 +329,40 @@ def supervise(
     on_ready: Callable[[], None],
     stop: StopFlag,
     api_port: int | None = None,
+    download_folder: Path | None = None,
 ) -> ExitReport:
     """Start the engine, wait for readiness, serve until a signal or the engine's death.
 
     With ``api_port``, readiness also needs the socket listening on that port to belong to the
-    engine's process group: a ``/health`` answer from another server is not our engine being ready."""
+    engine's process group: a ``/health`` answer from another server is not our engine being ready.
+    Until ready, the engine's log (and ``download_folder``, the served repository's folder in the
+    Hugging Face cache, for downloads) tells which start-up phase it is in."""
     if stop.set:  # the signal came while the launch was being prepared: start nothing
         log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was started: "
                  "not starting it")
         return ExitReport("stopped", None, 0)
+    try:
+        log_offset = engine.log_path.stat().st_size
+    except OSError:
+        log_offset = 0
     started = time.monotonic()
     engine.start()
     last_progress = started
     ready = False
+    phases = StartupPhases(started)
+    follower = LogFollower(engine.log_path, log_offset)
     try:
         while True:
             code = engine.poll()  # has it exited? before: is it ready?
             if code is not None:
                 engine.signal_group(signal.SIGKILL)
                 tail = log_tail(engine.log_path)
-                when = "before becoming ready" if not ready else "while serving"
+                if not ready:
+                    _follow(phases, follower, download_folder, time.monotonic())
+                when = f"before becoming ready, while {phases.phase}" if not ready else "while serving"
                 log.error(f"vLLM exited ({describe_exit(code)}) {when}")
+                if not ready:
+                    log.error(f"start-up phases until then: {phases.describe_durations(time.monotonic())}")
                 log.error(f"last lines of {engine.log_path}:")
                 for line in tail:
                     log.error(f"  | {line}")
@@ -364,6 +393,7 @@ def supervise(
                 return ExitReport("stopped", code, 0 if clean else 1)
             now = time.monotonic()
             if not ready:
+                _follow(phases, follower, download_folder, now)
                 if http_ok(ready_url):
                     problem = _port_problem(engine, ready_url, api_port)
                     if problem is not None:
@@ -373,15 +403,20 @@ def supervise(
                         engine.stop(0, grace_s=EARLY_STOP_GRACE_S)
                         return ExitReport("not-ours", None, 1)
                     ready = True
+                    ready_at = time.monotonic()
+                    _follow(phases, follower, download_folder, ready_at)
+                    for line in phases.ready_summary(ready_at):
+                        log.info(line)
                     on_ready()
                 elif now - started > ready_timeout_s:
-                    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s "
+                    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s, still {phases.phase} "
                               "(raise CF_READY_TIMEOUT_S if it needs longer): stopping it")
                     engine.stop(0)
                     return ExitReport("timeout", None, 1)
                 elif now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now
-                    log.info(f"engine starting ({now - started:.0f} s elapsed; details in {engine.log_path})")
+                    log.info(f"engine starting: {phases.progress(now)} ({now - started:.0f} s elapsed; "
+                             f"details in {engine.log_path})")
             time.sleep(POLL_INTERVAL_S)
     except BaseException:
         engine.stop(0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +40,31 @@ def chat_both_ways(base_url: str, model: str) -> None:
     assert usage is not None and usage.completion_tokens == 20 and usage.prompt_tokens > 0
 
 
+#: The start-up phases of the CPU engine, in the order the runtime must report them.
+CPU_PHASES = ["starting the engine", "loading weights", "compiling", "measuring memory for the KV cache",
+              "starting the API server"]
+_PHASE_NAMES = "|".join([*CPU_PHASES, "downloading weights", "capturing CUDA graphs"])
+
+
+def assert_startup_phases(out: str) -> None:
+    """The runtime's output names the phases while the engine starts, then gives each one's time and the
+    KV capacity just before the ready line."""
+    lines = out.splitlines()
+    ready_at = next(i for i, line in enumerate(lines) if "ready: OpenAI API" in line)
+    summary, kv = lines[ready_at - 2], lines[ready_at - 1]
+    assert " engine ready after " in summary, out
+    times = re.findall(r"(?:: |, )([a-zA-Z ]+?) ([0-9.]+) s", summary.split(" engine ready after ", 1)[1])
+    assert [name for name, _ in times] == CPU_PHASES, summary
+    total = float(re.search(r"engine ready after ([0-9.]+) s", summary)[1])  # type: ignore[index]
+    assert abs(sum(float(took) for _, took in times) - total) <= 2.0, summary
+    assert re.search(r"KV cache: [0-9,]+ tokens \(CPU\); maximum concurrency at 2,048 tokens per request: "
+                     r"[0-9.]+x$", kv), kv
+    progress = [line for line in lines[:ready_at] if "engine starting" in line]
+    assert progress, out  # the tiny engine takes well over the 10 s between progress lines here
+    for line in progress:
+        assert re.search(rf"engine starting: ({_PHASE_NAMES}) for [0-9]+ s \([0-9]+ s elapsed; details in ", line), line
+
+
 def stop_cleanly(runtime: RuntimeProcess, drain_s: float) -> None:
     children = set(runtime.known_children)
     assert children, "the engine's processes were not seen"
@@ -58,8 +85,10 @@ def test_serves_cf_context_key_and_stops_on_sigterm(tmp_path: Path) -> None:
         out = runtime.output()
         assert f"ready: OpenAI API on http://127.0.0.1:{runtime.port}/v1 serving model '{TINY_SERVED_NAME}'" in out
         assert "Traceback" not in out
-        # The runtime's own log stays short; the engine's goes to vllm.log.
-        assert len(out.splitlines()) < 30
+        assert_startup_phases(out)
+        # The runtime's own log stays short; the engine's goes to vllm.log (progress lines aside, whose
+        # number grows with the start-up time).
+        assert len([line for line in out.splitlines() if "engine starting: " not in line]) < 30
         assert "vllm.entrypoints.openai.api_server" in runtime.engine_log()
         chat_both_ways(runtime.base_url, TINY_SERVED_NAME)
         assert container_healthcheck(runtime.port) == 0
@@ -128,5 +157,30 @@ def test_engine_that_cannot_start_is_reported_quickly(tmp_path: Path) -> None:
         assert "hint: vLLM rejected a command-line flag" in out
         assert "Traceback" not in out
         assert elapsed < 60, f"took {elapsed:.1f} s"
+    finally:
+        runtime.kill()
+
+
+def test_engine_failing_while_loading_weights_is_reported_in_that_phase(tmp_path: Path, tiny_model: str) -> None:
+    # A copy of the tiny model whose weights file lost its second half (as an interrupted copy leaves it):
+    # the header still reads, so only loading the tensors fails.
+    model = tmp_path / "tiny-truncated"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    weights.write_bytes(data[:header_end + (len(data) - header_end) // 2])
+    args = ["--", str(model), "--served-model-name", "tiny-truncated", "--dtype", "bfloat16",
+            "--max-model-len", "1024"]
+    runtime = RuntimeProcess(args, tmp_path / "logs").start()
+    try:
+        code = runtime.wait(300)
+        out = runtime.output()
+        assert code != 0
+        assert "vLLM exited (code 1) before becoming ready, while loading weights" in out
+        phases = [line for line in out.splitlines() if "start-up phases until then: " in line]
+        assert len(phases) == 1, out
+        assert re.search(r"starting the engine [0-9.]+ s, loading weights [0-9.]+ s$", phases[0]), phases[0]
+        assert "ready: OpenAI API" not in out
     finally:
         runtime.kill()

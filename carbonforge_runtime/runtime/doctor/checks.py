@@ -15,7 +15,24 @@ from dataclasses import dataclass
 from carbonforge_runtime import PINNED_VLLM_VERSION
 from carbonforge_runtime.gpu.types import GpuDevice, GpuProcess, GpuSnapshot
 from carbonforge_runtime.recipes.hardware import hardware_mismatches
-from carbonforge_runtime.runtime.doctor.facts import PREFLIGHT, DoctorFacts, PathFacts, RecipeFacts, WeightsFacts
+from carbonforge_runtime.runtime.compile_cache import (
+    ANONYMOUS,
+    EMPTY_DIR,
+    IMAGE_DIR,
+    MEMORY,
+    ROOT_LAYER,
+    VOLUME,
+    VOLUME_NAME,
+    persistence,
+)
+from carbonforge_runtime.runtime.doctor.facts import (
+    PREFLIGHT,
+    CompileCacheFacts,
+    DoctorFacts,
+    PathFacts,
+    RecipeFacts,
+    WeightsFacts,
+)
 from carbonforge_runtime.runtime.doctor.model import (
     ENGINE,
     FAIL,
@@ -29,6 +46,7 @@ from carbonforge_runtime.runtime.doctor.model import (
     WARN,
     Check,
 )
+from carbonforge_runtime.runtime.hf_cache import missing_summary
 from carbonforge_runtime.runtime.privacy import (
     MODELSCOPE_VARIABLE,
     USAGE_STATS_OFF,
@@ -452,16 +470,78 @@ def storage_checks(facts: DoctorFacts) -> list[Check]:
             checks.append(_directory(STORAGE, "storage.hf_cache", f"Hugging Face cache{source}", cache, status,
                                      remedy + "; weights cannot be downloaded into it"))
     if weights is not None:
-        checks.append(_weights(weights))
+        checks.append(_weights(weights, _fetch_command(facts, weights)))
     if facts.log_dir is not None:
         checks.append(_directory(STORAGE, "storage.log_dir", "log directory", facts.log_dir, FAIL,
                                  "mount a writable volume at /var/log/carbonforge "
                                  "(-v carbonforge-logs:/var/log/carbonforge), or set CF_LOG_DIR to a writable "
                                  "directory"))
+    if facts.compile_cache is not None:
+        checks.extend(_compile_cache(facts.compile_cache))
     return checks
 
 
-def _weights(w: WeightsFacts) -> Check:
+def _compile_cache(cache: CompileCacheFacts) -> list[Check]:
+    """Whether the engine can write its compile cache, and whether the next container finds it."""
+    source = f" (from {cache.source})" if cache.source != "default" else ""
+    where = "CF_COMPILE_CACHE_DIR" if cache.source != "VLLM_CACHE_ROOT" else "VLLM_CACHE_ROOT"
+    checks = [_directory(STORAGE, "storage.compile_cache", f"compile cache{source}", cache.directory, FAIL,
+                         f"mount a writable volume there (-v {VOLUME_NAME}:{cache.path}), or set {where} to a "
+                         "writable directory; the engine cannot compile without it")]
+    mount = cache.mount
+    if mount is None:
+        return checks
+    if not mount.in_container:
+        checks.append(Check(STORAGE, "storage.compile_cache_volume", OK,
+                            f"not in a container: the compile cache {cache.path} stays on this host between "
+                            "runs (the volume check does not apply)"))
+        return checks
+    remedy = (f"mount a named volume at {cache.path} (docker run -v {VOLUME_NAME}:{cache.path}; in compose or "
+              f"Kubernetes a persistent volume at that path), or set {where} to a directory on one")
+    if mount.mount is None:
+        checks.append(Check(STORAGE, "storage.compile_cache_volume", WARN,
+                            f"cannot tell whether the compile cache {cache.path} is on a volume: {mount.problem}",
+                            remedy))
+        return checks
+    kind = persistence(mount.mount)
+    place = f"{mount.mount.fstype} at {mount.mount.mount_point}"
+    lost = "a new container compiles the model again (minutes on a GPU)"
+    if kind == VOLUME:
+        checks.append(Check(STORAGE, "storage.compile_cache_volume", OK,
+                            f"compile cache {cache.path} is on a volume ({place}): later boots reuse what the "
+                            "first one compiled"))
+    elif kind == ROOT_LAYER:
+        checks.append(Check(STORAGE, "storage.compile_cache_volume", WARN,
+                            f"compile cache {cache.path} is on the container's own filesystem ({place}), not on "
+                            f"a volume: {lost}", remedy))
+    elif kind == MEMORY:
+        checks.append(Check(STORAGE, "storage.compile_cache_volume", WARN,
+                            f"compile cache {cache.path} is in memory ({place}): every start compiles the model "
+                            "again", remedy))
+    elif kind == ANONYMOUS:
+        checks.append(Check(STORAGE, "storage.compile_cache_volume", WARN,
+                            f"compile cache {cache.path} is on an anonymous Docker volume: it lasts as long as "
+                            f"this container, and {lost} (docker run --rm, docker rm)",
+                            f"name the volume: docker run -v {VOLUME_NAME}:{cache.path} (compose: a named volume "
+                            "in the service's volumes)"))
+    else:
+        assert kind == EMPTY_DIR
+        checks.append(Check(STORAGE, "storage.compile_cache_volume", WARN,
+                            f"compile cache {cache.path} is on a Kubernetes emptyDir volume: it lasts as long as "
+                            f"the pod, and {lost}",
+                            f"mount a PersistentVolumeClaim at {cache.path} instead of an emptyDir"))
+    return checks
+
+
+def _fetch_command(facts: DoctorFacts, w: WeightsFacts) -> str:
+    """The command that downloads these weights into the cache (the recipe's key, else the model)."""
+    recipe = facts.recipe.recipe if facts.recipe else None
+    if recipe is not None:
+        return f"carbonforge-runtime fetch {recipe.key_text}"
+    return f"carbonforge-runtime fetch --model {w.model}" + (f"@{w.revision}" if w.revision else "")
+
+
+def _weights(w: WeightsFacts, fetch: str) -> Check:
     if w.kind == "builtin":
         return Check(STORAGE, "storage.weights", OK,
                      f"built-in model {w.model}: generated at start, nothing to download")
@@ -471,11 +551,21 @@ def _weights(w: WeightsFacts) -> Check:
         return Check(STORAGE, "storage.weights", FAIL, f"the model path {w.model} is not a directory",
                      "mount the model directory into the container at that path, or name a Hugging Face repository")
     if w.snapshot is not None:
+        if w.missing:
+            at = f" at {w.revision}" if w.revision else ""
+            what = (f"the snapshot of {w.model}{at} in {w.cache_dir} is incomplete: "
+                    f"{missing_summary(w.missing)} missing ({w.snapshot})")
+            if w.offline:
+                return Check(STORAGE, "storage.weights", FAIL, f"HF_HUB_OFFLINE=1 and {what}",
+                             f"run `{fetch}` to complete it (where the hub is reachable; then carry the cache "
+                             "directory over), or set HUGGINGFACE_HUB_CACHE to the hub/ directory that holds the "
+                             "complete snapshot")
+            return Check(STORAGE, "storage.weights", WARN, f"{what}; the engine downloads the rest at start",
+                         f"run `{fetch}` to download it before serving")
         if not w.has_weight_files:
             return Check(STORAGE, "storage.weights", WARN if not w.offline else FAIL,
                          f"{w.model} in {w.cache_dir} has a config.json but no weight files ({w.snapshot})",
-                         "prefetch the weights again (huggingface-cli download " + w.model + "); the snapshot is "
-                         "incomplete")
+                         f"run `{fetch}` to download them; the snapshot is incomplete")
         return Check(STORAGE, "storage.weights", OK, f"weights for {w.model} are in the cache ({w.snapshot})")
     if not w.offline:
         return Check(STORAGE, "storage.weights", OK,
@@ -484,8 +574,8 @@ def _weights(w: WeightsFacts) -> Check:
         remedy = (f"set HUGGINGFACE_HUB_CACHE={w.found_elsewhere}: the weights are there (the engine reads the "
                   "hub/ directory itself), and keep it consistent with the volume mount")
     else:
-        remedy = (f"prefetch the weights (huggingface-cli download {w.model}) into the hub/ directory of the "
-                  "cache and set HUGGINGFACE_HUB_CACHE to that directory, consistent with the volume mount; "
+        remedy = (f"run `{fetch}` (where the hub is reachable; `--to DIR` fills a directory to carry over) and "
+                  "set HUGGINGFACE_HUB_CACHE to that hub/ directory, consistent with the volume mount; "
                   "or unset HF_HUB_OFFLINE to download them at start")
     return Check(STORAGE, "storage.weights", FAIL,
                  f"HF_HUB_OFFLINE=1 and the weights for {w.model} are not in {w.cache_dir} "
@@ -678,9 +768,17 @@ CHECKS: tuple[CheckInfo, ...] = (
               "read-only cache is fine with `HF_HUB_OFFLINE=1`"),
     CheckInfo("storage.weights", STORAGE, "the recipe's weights: built-in, local directory or hub cache",
               "with `HF_HUB_OFFLINE=1` they are not in the hub cache "
-              "(`models--ORG--NAME/snapshots/<revision>/config.json`), or a snapshot has no weight files; the fix "
-              "names `HUGGINGFACE_HUB_CACHE`, and the right directory when the weights sit one level below (FAIL)"),
+              "(`models--ORG--NAME/snapshots/<revision>/config.json`), or the snapshot lacks a file the engine "
+              "reads (a weight shard, the config, a tokenizer file); the fix names `carbonforge-runtime fetch` and "
+              "`HUGGINGFACE_HUB_CACHE`, and the right directory when the weights sit one level below (FAIL); a "
+              "snapshot the engine completes by downloading at start (WARN)"),
     CheckInfo("storage.log_dir", STORAGE, "the log directory (`CF_LOG_DIR`)", "it cannot be written (FAIL)"),
+    CheckInfo("storage.compile_cache", STORAGE, "the engine's compile cache directory (`CF_COMPILE_CACHE_DIR`, "
+              f"`{IMAGE_DIR}` in the image; `VLLM_CACHE_ROOT` when you set it)", "it cannot be written (FAIL)"),
+    CheckInfo("storage.compile_cache_volume", STORAGE, "in a container: whether the compile cache is on a volume "
+              "(the mount that holds it, from `/proc/self/mountinfo`); outside one it does not apply",
+              "it is on the container's own root filesystem, in memory (tmpfs), on an anonymous Docker volume or a "
+              "Kubernetes emptyDir, so a new container compiles again (WARN)"),
     CheckInfo("storage.offline", STORAGE, "whether the engine serves weights already on this machine without a hub",
               "`HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`) is set to a false value, which the runtime keeps, or "
               "`VLLM_USE_MODELSCOPE` sends the engine to ModelScope (WARN)"),

@@ -24,6 +24,22 @@ from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
 from carbonforge_runtime.errors import CarbonForgeError, OverrideError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs, resolve
+from carbonforge_runtime.runtime.compile_cache import (
+    ROOT_VARIABLE,
+    Mount,
+    cache_location,
+    is_container_root,
+    mount_of,
+    parse_mountinfo,
+    resolve_root,
+)
+from carbonforge_runtime.runtime.hf_cache import (
+    find_hub_snapshot,
+    hub_cache_dir,
+    served_snapshot,
+    snapshot_has_weights,
+    snapshot_state,
+)
 from carbonforge_runtime.runtime.launch_plan import LaunchPlan, build_recipe_plan, flags_in
 from carbonforge_runtime.runtime.privacy import WATCHED_VARIABLES
 from carbonforge_runtime.runtime.privileges import read_cap_sys_admin
@@ -138,6 +154,30 @@ class WeightsFacts:
     has_weight_files: bool = False
     #: Another cache directory that holds the weights (e.g. the parent of ``hub/``).
     found_elsewhere: str | None = None
+    #: The revision the recipe pins (None: the default branch).
+    revision: str | None = None
+    #: Files the engine reads that the snapshot lacks (see runtime/hf_cache.py).
+    missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MountFacts:
+    """The mount that holds a directory, looked up only inside a container (``in_container`` False:
+    the question does not apply). ``mount`` is None with ``problem`` set when the mounts are unreadable."""
+
+    in_container: bool
+    mount: Mount | None = None
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class CompileCacheFacts:
+    """The engine's compile cache directory, the variable that names it, and where it lives."""
+
+    path: str
+    source: str
+    directory: PathFacts
+    mount: MountFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +224,7 @@ class DoctorFacts:
     hf_cache_source: str = ""
     weights: WeightsFacts | None = None
     log_dir: PathFacts | None = None
+    compile_cache: CompileCacheFacts | None = None
     engine: EngineFacts | None = None
     ports: tuple[PortFacts, ...] = field(default_factory=tuple)
     #: The reporting and hub switches set in the runtime's environment, as (name, value); None when
@@ -211,9 +252,13 @@ class Probes(Protocol):
 
     def find_weights(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str | None, bool]: ...
 
+    def weights_missing(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str, ...]: ...
+
     def engine(self) -> EngineFacts: ...
 
     def port(self, purpose: str, host: str, port: int, setting: str) -> PortFacts: ...
+
+    def mount(self, path: str) -> MountFacts: ...
 
 
 def _meminfo_total_bytes() -> int | None:
@@ -232,60 +277,6 @@ def _nearest_existing(path: Path) -> Path:
     while not current.exists() and current != current.parent:
         current = current.parent
     return current
-
-
-def snapshot_has_weights(snapshot: Path) -> bool:
-    patterns = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
-    return any(next(snapshot.glob(pattern), None) is not None for pattern in patterns)
-
-
-def find_hub_snapshot(cache_dir: Path, repo: str, revision: str | None) -> Path | None:
-    """The snapshot directory of ``repo`` in a hub cache (``models--ORG--NAME/snapshots/<commit>/``)
-    that has a config.json, following ``refs/<revision or main>`` first; None when absent."""
-    folder = cache_dir / ("models--" + repo.replace("/", "--"))
-    snapshots = folder / "snapshots"
-    if not snapshots.is_dir():
-        return None
-    wanted = revision or "main"
-    candidates: list[Path] = []
-    ref = folder / "refs" / wanted
-    try:
-        if ref.is_file():
-            candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
-    except OSError:
-        pass
-    candidates.append(snapshots / wanted)
-    if revision is None:
-        try:
-            others = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-        except OSError:
-            others = []
-        candidates.extend(others)
-    for candidate in candidates:
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
-
-
-def served_snapshot(cache_dir: Path, repo: str, revision: str | None) -> Path | None:
-    """The snapshot an offline engine would load: the one ``refs/<revision or main>`` names, or
-    ``snapshots/<revision>`` for a commit id; it must hold a config.json and weight files. Stricter
-    than :func:`find_hub_snapshot`, which also reports a snapshot no ref points at."""
-    folder = cache_dir / ("models--" + repo.replace("/", "--"))
-    wanted = revision or "main"
-    candidates: list[Path] = []
-    try:
-        ref = folder / "refs" / wanted
-        if ref.is_file():
-            candidates.append(folder / "snapshots" / ref.read_text(encoding="utf-8").strip())
-    except OSError:
-        pass
-    if revision:
-        candidates.append(folder / "snapshots" / revision)
-    for candidate in candidates:
-        if (candidate / "config.json").is_file() and snapshot_has_weights(candidate):
-            return candidate
-    return None
 
 
 class SystemProbes:
@@ -371,6 +362,9 @@ class SystemProbes:
             return None, False
         return str(found), snapshot_has_weights(found)
 
+    def weights_missing(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str, ...]:
+        return snapshot_state(Path(cache_dir), repo, revision).missing
+
     def engine(self) -> EngineFacts:
         for name in VLLM_DISTRIBUTIONS:
             try:
@@ -398,6 +392,29 @@ class SystemProbes:
                 problem = exc.strerror or str(exc)
             return PortFacts(purpose, bind_host, port, False, problem, setting)
         return PortFacts(purpose, bind_host, port, True, "", setting)
+
+
+    def mount(self, path: str) -> MountFacts:
+        try:
+            text: str | None = Path(MOUNTINFO).read_text(encoding="utf-8", errors="replace")
+            problem = ""
+        except OSError as exc:
+            text, problem = None, f"{MOUNTINFO} cannot be read ({exc.strerror or exc})"
+        mounts = parse_mountinfo(text or "")
+        in_container = any(Path(marker).exists() for marker in CONTAINER_MARKERS) or is_container_root(mounts)
+        if not in_container:
+            return MountFacts(False)
+        if text is None:
+            return MountFacts(True, problem=problem)
+        # A directory not created yet lands on the mount of its nearest existing parent.
+        real = os.path.realpath(_nearest_existing(Path(path).expanduser()))
+        found = mount_of(real, mounts)
+        return MountFacts(True, found, "" if found else f"no mount in {MOUNTINFO} holds {real}")
+
+
+#: Files container engines leave in a container's root (Docker, Podman).
+CONTAINER_MARKERS = ("/.dockerenv", "/run/.containerenv")
+MOUNTINFO = "/proc/self/mountinfo"
 
 
 def _module_present(name: str) -> bool:
@@ -468,22 +485,6 @@ def recipe_facts_from_plan(plan: LaunchPlan) -> RecipeFacts | None:
 # --- the Hugging Face cache --------------------------------------------------------------------
 
 
-def hub_cache_dir(env: Mapping[str, str]) -> tuple[str, str]:
-    """The hub cache directory the engine will use, and the variable that chose it (Hugging Face's order)."""
-    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        value = env.get(name, "").strip()
-        if value:
-            return str(Path(value).expanduser()), name
-    home = env.get("HF_HOME", "").strip()
-    if home:
-        return str(Path(home).expanduser() / "hub"), "HF_HOME"
-    xdg = env.get("XDG_CACHE_HOME", "").strip()
-    if xdg:
-        return str(Path(xdg).expanduser() / "huggingface" / "hub"), "XDG_CACHE_HOME"
-    user_home = env.get("HOME", "").strip() or str(Path.home())
-    return str(Path(user_home) / ".cache" / "huggingface" / "hub"), "default"
-
-
 def _default_cache_dirs(env: Mapping[str, str]) -> list[str]:
     home = env.get("HOME", "").strip() or str(Path.home())
     dirs = [str(Path(home) / ".cache" / "huggingface" / "hub")]
@@ -506,13 +507,15 @@ def weights_facts(model: str, revision: str | None, builtin: bool, env: Mapping[
         return WeightsFacts(model, "local", offline, cache_dir, source,
                             snapshot=model if Path(model).expanduser().is_dir() else None)
     snapshot, has_files = probes.find_weights(cache_dir, model, revision)
+    missing = probes.weights_missing(cache_dir, model, revision) if snapshot is not None else ()
     elsewhere = None
     if snapshot is None:
         for other in [str(Path(cache_dir) / "hub"), *_default_cache_dirs(env)]:
             if other != cache_dir and probes.find_weights(other, model, revision)[0] is not None:
                 elsewhere = other
                 break
-    return WeightsFacts(model, "hub", offline, cache_dir, source, snapshot, has_files, elsewhere)
+    return WeightsFacts(model, "hub", offline, cache_dir, source, snapshot, has_files, elsewhere, revision,
+                        tuple(missing))
 
 
 def weights_on_host(model: str, revision: str | None, builtin: bool, env: Mapping[str, str]) -> str | None:
@@ -617,6 +620,11 @@ def collect_facts(
     if request.trace_file:
         trace_dir = directory(str(Path(request.trace_file).expanduser().parent))
     want_hf_cache = not preflight or (weights is not None and weights.kind == "hub")
+    compile_root = resolve_root(settings.compile_cache_dir, environ)
+    compile_path, compile_source = cache_location(
+        compile_root, ROOT_VARIABLE if settings.is_set("CF_COMPILE_CACHE_DIR") else "default", environ)
+    compile_cache = CompileCacheFacts(compile_path, compile_source, directory(compile_path), _guarded(
+        lambda: probes.mount(compile_path), lambda exc: MountFacts(True, problem=_unexpected(exc))))
     return DoctorFacts(
         mode=request.mode,
         now=now,
@@ -640,6 +648,7 @@ def collect_facts(
         hf_cache_source=cache_source,
         weights=weights,
         log_dir=directory(str(settings.log_dir)),
+        compile_cache=compile_cache,
         engine=engine,
         ports=tuple(ports),
         privacy_env=None if preflight else tuple((name, environ[name]) for name in WATCHED_VARIABLES
@@ -650,10 +659,12 @@ def collect_facts(
 __all__ = [
     "DOCTOR",
     "PREFLIGHT",
+    "CompileCacheFacts",
     "DoctorFacts",
     "DoctorRequest",
     "EngineFacts",
     "LicenseFacts",
+    "MountFacts",
     "OtelFacts",
     "PathFacts",
     "PortFacts",
@@ -665,6 +676,10 @@ __all__ = [
     "SystemProbes",
     "WeightsFacts",
     "collect_facts",
+    "find_hub_snapshot",
+    "hub_cache_dir",
+    "served_snapshot",
+    "snapshot_has_weights",
     "tolerant_settings",
     "weights_on_host",
 ]

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field, replace
 
 from carbonforge_runtime import PINNED_VLLM_VERSION
 from carbonforge_runtime.recipes import Recipe
+from carbonforge_runtime.runtime.compile_cache import VOLUME_NAME, Mount
 from carbonforge_runtime.runtime.doctor.facts import (
     EngineFacts,
     LicenseFacts,
+    MountFacts,
     OtelFacts,
     PathFacts,
     PortFacts,
@@ -49,9 +51,14 @@ class FixedProbes:
     missing_dirs: set[str] = field(default_factory=set)
     #: Hub cache directory -> snapshot path of the recipe's weights found there.
     weights_in: dict[str, str] = field(default_factory=dict)
+    #: Hub cache directory -> files the engine reads that its snapshot lacks.
+    weights_missing_in: dict[str, tuple[str, ...]] = field(default_factory=dict)
     engine_facts: EngineFacts = field(default_factory=lambda: EngineFacts("vllm", PINNED_VLLM_VERSION, True))
     #: Port -> why it cannot be bound.
     busy_ports: dict[int, str] = field(default_factory=dict)
+    #: Where every directory asked about is mounted; None: in a container, on a named Docker volume
+    #: mounted at that directory.
+    mount_facts: MountFacts | None = None
 
     def runtime(self) -> RuntimeFacts:
         return self.runtime_facts
@@ -81,6 +88,9 @@ class FixedProbes:
         snapshot = self.weights_in.get(cache_dir)
         return (snapshot, True) if snapshot else (None, False)
 
+    def weights_missing(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str, ...]:
+        return self.weights_missing_in.get(cache_dir, ())
+
     def engine(self) -> EngineFacts:
         return self.engine_facts
 
@@ -88,3 +98,13 @@ class FixedProbes:
         if port in self.busy_ports:
             return PortFacts(purpose, host, port, False, self.busy_ports[port], setting)
         return PortFacts(purpose, host, port, True, "", setting)
+
+    def mount(self, path: str) -> MountFacts:
+        if self.mount_facts is not None:
+            return self.mount_facts
+        return MountFacts(True, named_volume(path))
+
+
+def named_volume(path: str, name: str = VOLUME_NAME) -> Mount:
+    """A named Docker volume mounted at ``path``, as /proc/self/mountinfo shows it."""
+    return Mount(path, "ext4", "/dev/nvme0n1p1", f"/var/lib/docker/volumes/{name}/_data")

@@ -129,7 +129,8 @@ def test_offline_weights_check_against_a_real_cache(tmp_path: Path) -> None:
     assert missing.status == FAIL
     assert f"the weights for {REPO_ID} are not in {cache}" in missing.detail
     assert "models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/<revision>/config.json" in missing.detail
-    assert "HUGGINGFACE_HUB_CACHE" in missing.remedy and "huggingface-cli download" in missing.remedy
+    assert "HUGGINGFACE_HUB_CACHE" in missing.remedy
+    assert f"carbonforge-runtime fetch {L4_KEY}" in missing.remedy
 
     snapshot = make_snapshot(cache)
     present = weights_check(tmp_path, cache)
@@ -140,7 +141,7 @@ def test_offline_weights_check_against_a_real_cache(tmp_path: Path) -> None:
 def test_offline_snapshot_without_weight_files_fails(tmp_path: Path) -> None:
     make_snapshot(tmp_path / "hub", weights=False)
     check = weights_check(tmp_path, tmp_path / "hub")
-    assert check.status == FAIL and "no weight files" in check.detail
+    assert check.status == FAIL and "weight files (*.safetensors or *.bin) missing" in check.detail
 
 
 def test_cache_variable_pointing_above_hub_names_the_right_directory(tmp_path: Path) -> None:

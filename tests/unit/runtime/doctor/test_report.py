@@ -14,8 +14,9 @@ import pytest
 
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, device, host, host_of, process
 from carbonforge_runtime.gpu.types import GpuSnapshot
+from carbonforge_runtime.runtime.compile_cache import Mount
 from carbonforge_runtime.runtime.doctor import DoctorRequest, diagnose, render_json, render_text
-from carbonforge_runtime.runtime.doctor.facts import EngineFacts, LicenseFacts, OtelFacts, PrivilegeFacts
+from carbonforge_runtime.runtime.doctor.facts import EngineFacts, LicenseFacts, MountFacts, OtelFacts, PrivilegeFacts
 from carbonforge_runtime.runtime.doctor.fake import FIXED_NOW, FixedProbes
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -82,6 +83,8 @@ def test_broken_host_report(tmp_path: Path) -> None:
         unwritable={"/var/log/carbonforge": "Read-only file system", "/traces": "Permission denied"},
         engine_facts=EngineFacts("vllm", "0.31.1", True),
         busy_ports={8000: "another process is listening on it"},
+        # The compile cache on the container's own overlay root, not on a volume.
+        mount_facts=MountFacts(True, Mount("/", "overlay", "overlay", "/")),
     )
     env = {"CF_MAX_MODEL_LEN": "32768", "HF_HUB_OFFLINE": "1", "HUGGINGFACE_HUB_CACHE": "/models/hub"}
     text, document = report(tmp_path, "snapshot-80b:fp8:chat:h100x2", snapshot, probes, env,

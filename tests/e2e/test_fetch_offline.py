@@ -1,0 +1,97 @@
+"""End to end: the air-gapped workflow. ``fetch`` downloads a recipe's model from a hub double with
+huggingface_hub's own code; the double is then stopped and the runtime serves the recipe from the
+cache with ``HF_HUB_OFFLINE=1`` on the CPU engine, answering the OpenAI SDK.
+
+Two runs, one engine each: the cache the engine reads by default (``HF_HOME``), and ``fetch --to DIR``
+served through ``HUGGINGFACE_HUB_CACHE=DIR`` while the default cache stays empty.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support import RuntimeProcess, free_port, tiny_model_dir
+from tests.support.hub_double import (
+    FETCH_KEY,
+    FETCH_REPO,
+    FETCH_SERVED_NAME,
+    HubDouble,
+    fetch_env,
+    run_runtime,
+    snapshot_dir,
+    tiny_repo_files,
+    write_fetch_recipe,
+)
+
+#: Variables of the caller that would point the engine at another cache or hub.
+_CALLER_HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "TRANSFORMERS_CACHE")
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("fetch-recipes")
+    write_fetch_recipe(directory)
+    return directory
+
+
+def _fetch(args: list[str], recipes: Path, hf_home: Path) -> tuple[str, str, str]:
+    """Fetch from a double started for this call; returns the output, the commit and the double's
+    address. The double is stopped before returning: nothing answers there afterwards."""
+    with HubDouble() as hub:
+        commit = hub.publish(FETCH_REPO, tiny_repo_files(tiny_model_dir()))
+        done = run_runtime(["fetch", *args], fetch_env(hub.url, recipes, hf_home))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert any(seen.path.endswith("/model.safetensors") for seen in hub.downloads())
+        endpoint = hub.url
+    return done.stdout, commit, endpoint
+
+
+def _serve_and_ask(recipes: Path, log_dir: Path, env: dict[str, str]) -> str:
+    runtime = RuntimeProcess(["--context-key", FETCH_KEY], log_dir,
+                             env={"CF_RECIPES_DIR": str(recipes), "HF_HUB_OFFLINE": "1", **env})
+    for name in _CALLER_HUB_VARIABLES:
+        if name not in env:
+            runtime.env.pop(name, None)
+    runtime.start()
+    try:
+        runtime.wait_ready()
+        client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(
+            model=FETCH_SERVED_NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+            extra_body={"ignore_eos": True})
+        assert answer.model == FETCH_SERVED_NAME
+        assert answer.usage is not None and answer.usage.completion_tokens == 4
+        assert runtime.stop() == 0
+    finally:
+        if runtime.proc is not None and runtime.proc.poll() is None:
+            runtime.kill()
+    return runtime.output() + runtime.engine_log()
+
+
+def test_fetch_then_serve_offline_from_the_default_cache(recipes: Path, tmp_path: Path) -> None:
+    hf_home = tmp_path / "hf"
+    output, commit, endpoint = _fetch([FETCH_KEY], recipes, hf_home)
+    assert f"downloaded 6 of 6 files of {FETCH_REPO}" in output
+    snapshot = snapshot_dir(hf_home / "hub", FETCH_REPO, commit)
+    assert (snapshot / "model.safetensors").is_file()
+    # The double is gone: an engine that asked the hub for anything would fail to start.
+    logs = _serve_and_ask(recipes, tmp_path / "logs", {"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint})
+    assert "ready: OpenAI API" in logs
+
+
+def test_fetch_to_a_directory_then_serve_it_through_huggingface_hub_cache(recipes: Path, tmp_path: Path) -> None:
+    carried = tmp_path / "carried"
+    output, commit, _ = _fetch([FETCH_KEY, "--to", str(carried)], recipes, tmp_path / "fetch-home")
+    assert f"HUGGINGFACE_HUB_CACHE={carried}" in output
+    empty_home = tmp_path / "serving-home"  # the serving host's own cache has nothing
+    empty_home.mkdir()
+    port = free_port()
+    logs = _serve_and_ask(recipes, tmp_path / "logs", {"HF_HOME": str(empty_home),
+                                                       "HUGGINGFACE_HUB_CACHE": str(carried),
+                                                       "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    assert not (empty_home / "hub" / "models--carbonforge-test--tiny-fetch").exists()
+    assert (snapshot_dir(carried, FETCH_REPO, commit) / "config.json").is_file()
+    assert "ready: OpenAI API" in logs
