@@ -18,6 +18,7 @@ from pathlib import Path
 
 import openai
 
+from carbonforge_runtime.runtime.compile_cache import CACHE_VARIABLES
 from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
 
 SAVED = re.compile(r"saved AOT compiled function to (\S+)")
@@ -27,7 +28,12 @@ FOUND = re.compile(r"(?:Directly load AOT compilation from path|Compiling model 
 
 
 def boot(cache: Path, log_dir: Path) -> RuntimeProcess:
-    return RuntimeProcess(["--context-key", TINY_KEY], log_dir, env={"CF_COMPILE_CACHE_DIR": str(cache)}).start()
+    runtime = RuntimeProcess(["--context-key", TINY_KEY], log_dir, env={"CF_COMPILE_CACHE_DIR": str(cache)})
+    # An operator's value wins over the runtime's; the test process may hold some (importing torch
+    # sets TORCHINDUCTOR_CACHE_DIR in its own environment), so the engine must not inherit them.
+    for variable in CACHE_VARIABLES:
+        runtime.env.pop(variable.name, None)
+    return runtime.start()
 
 
 def engine_environment(runtime: RuntimeProcess) -> dict[str, str]:

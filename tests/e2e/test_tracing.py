@@ -250,7 +250,9 @@ class TestFullLevelRecipeSession:
         before = len(read_records(s.trace))
         # From a child process, so the whole burst reaches the engine at once and queues there.
         texts = [prompt_text(i, 20) for i in range(100, 116)]
-        ids = set(send_burst(s.runtime.base_url, TINY_SERVED_NAME, texts, 24))
+        # 96 tokens each: long enough that the engine's two sequences, not the API server's intake of
+        # the burst, set the pace
+        ids = set(send_burst(s.runtime.base_url, TINY_SERVED_NAME, texts, 96))
         s.sent += 16
         burst = [r for r in wait_records(s.trace, before + 16) if r["request_id"] in ids]
         assert len(burst) == 16
