@@ -150,6 +150,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("CF_API_KEY", "API key clients must send as `Authorization: Bearer <key>`; unset leaves the API open",
         _text),
     Var("CF_API_KEY_FILE", "File holding the API key (e.g. a read-only secret mount); CF_API_KEY wins", _text),
+    Var("CF_ENGINE_ENV_PASS", "More environment variables vLLM may see, comma-separated (`NAME*` for a prefix); "
+        "by default it sees only the variable families a serving engine reads", _text),
 )
 
 _BY_NAME = {var.name: var for var in VARIABLES}
@@ -159,7 +161,7 @@ VarName = Literal[
     "CF_CONTEXT_KEY", "CARBONFORGE_LICENSE_KEY", "CF_LICENSE_FILE", "CF_DRY_RUN", "CF_MAX_MODEL_LEN",
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
     "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "HF_TOKEN", "HF_HUB_OFFLINE",
-    "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_COMPILE_CACHE_DIR",
+    "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_COMPILE_CACHE_DIR", "CF_ENGINE_ENV_PASS",
 ]
 
 
@@ -241,6 +243,10 @@ class Settings:
     @property
     def api_key_file(self) -> str | None:
         return cast("str | None", self.value("CF_API_KEY_FILE")) or None
+
+    @property
+    def engine_env_pass(self) -> str | None:
+        return cast("str | None", self.value("CF_ENGINE_ENV_PASS")) or None
 
     @property
     def tiny_model_dir(self) -> Path:

@@ -28,6 +28,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from carbonforge_runtime.core.contract import ContractError, EngineContract, TraceConfig, full_level_banner_lines
@@ -52,6 +53,8 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_REPETITION: "repetition",
 }
 PREFIX_HASH_TOKENS = 64
+#: Before vLLM's drain deadline, time kept for the last step, the record flush and the exit.
+DEADLINE_MARGIN_S = 2.0
 #: Benchmarks only: the true output length a replayer sends (``vllm_xargs``) for the oracle family.
 TRUE_OUTPUT_TOKENS_ARG = "cf_true_output_tokens"
 
@@ -71,6 +74,19 @@ class _Live:
         self.priority_score: float | None = None
         self.waiting: WaitingRequest | None = None
         self.done = False
+
+
+def abort_delay(shutdown_timeout_s: float, flush_timeout_s: float) -> float:
+    """Seconds after the shutdown signal at which the shim ends the requests still running.
+
+    vLLM's process manager SIGKILLs the engine core ``shutdown_timeout_s`` after it signalled it,
+    and a SIGKILLed engine writes no record. Ending the leftovers as aborts a little earlier (time
+    for the record flush plus a margin, never more than half the drain) gives each of them its
+    record and each client its answer, and lets the engine exit on its own."""
+    if shutdown_timeout_s <= 0:
+        return 0.0  # vLLM aborts everything itself at once
+    margin = min(flush_timeout_s + DEADLINE_MARGIN_S, shutdown_timeout_s / 2)
+    return shutdown_timeout_s - margin
 
 
 def prefix_hash(token_ids: Sequence[int] | None) -> int:
@@ -244,11 +260,12 @@ class _CarbonForgeMixin:
         self._cf_counters = EngineCounters()
         self._cf_full = False
         self._cf_stopping = False
+        self._cf_abort_at: float | None = None  # monotonic time to end what still runs, once stopping
         if contract.builds_records:
             self._cf_writer = self._cf_start_writer(contract)
             self._cf_counters = self._cf_writer.counters
             atexit.register(self._cf_close)
-            self._cf_watch_shutdown_signal()
+        self._cf_watch_shutdown_signal()
         # Per-request bookkeeping only when something consumes it.
         self._cf_track = self._cf_writer is not None or self._cf_family.reorders
         if self._cf_family.reorders:
@@ -295,8 +312,13 @@ class _CarbonForgeMixin:
         if not callable(previous):
             return  # no engine-core handler to wrap (e.g. a scheduler built outside vLLM's engine)
 
+        flush_s = self._cf_writer.config.flush_timeout_s if self._cf_writer is not None else 0.0
+
         def on_sigterm(signum: int, frame: Any) -> None:
-            self._cf_stopping = True
+            if not self._cf_stopping:
+                self._cf_stopping = True
+                timeout_s = float(getattr(getattr(self, "vllm_config", None), "shutdown_timeout", 0) or 0)
+                self._cf_abort_at = time.monotonic() + abort_delay(timeout_s, flush_s)
             if self._cf_writer is not None:
                 self._cf_writer.hurry()
             previous(signum, frame)
@@ -363,7 +385,28 @@ class _CarbonForgeMixin:
                 ended: _Live | None = live.pop(request_id, None)
                 if ended is not None:
                     self._cf_complete(ended, now)
+        abort_at = self._cf_abort_at
+        if abort_at is not None and time.monotonic() >= abort_at:
+            self._cf_abort_at = None
+            self._cf_abort_leftovers(outputs)
         return outputs
+
+    def _cf_abort_leftovers(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """The drain deadline is near: end every unfinished request as an abort, as vLLM does
+        for a shutdown without a drain, and tell each client in this step's outputs."""
+        aborted = self.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        if not aborted:
+            return
+        log.warning("drain deadline near: ending %d request(s) still in flight as aborted, so each "
+                    "gets its trace record and its client an answer", len(aborted))
+        for request in aborted:
+            eco = outputs.get(request.client_index)
+            if eco is None:
+                eco = outputs[request.client_index] = EngineCoreOutputs(outputs=[])
+            eco.outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT))
+            if eco.finished_requests is None:
+                eco.finished_requests = set()
+            eco.finished_requests.add(request.request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         finished: list[Request] = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
@@ -434,7 +477,14 @@ class _CarbonForgeMixin:
 
     def _cf_close(self) -> None:
         writer = self._cf_writer
-        if writer is not None:
+        if writer is not None and not writer.closed:
+            # The engine is going away with requests it never finished: each still gets a record,
+            # as an abort (vLLM tells their clients nothing more either).
+            now = time.time()
+            for state in list(self._cf_live.values()):
+                if not state.done:
+                    self._cf_complete(state, now)
+            self._cf_live.clear()
             writer.close()
         if self._cf_energy is not None:
             self._cf_energy.close()

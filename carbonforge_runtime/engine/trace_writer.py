@@ -311,6 +311,10 @@ class TraceWriter:
             when = "at shutdown" if final else f"in the last {self.config.report_interval_s:g} s"
             self.log.warning("request trace: records dropped %s: %s", when, " | ".join(lines))
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout_s: float | None = None) -> dict[str, int]:
         """Write every queued record (until ``timeout_s``), stop the threads, report drops.
         Safe to call more than once."""
@@ -332,9 +336,17 @@ class TraceWriter:
         for worker in self.workers:
             worker.close(deadline)
         self.report(final=True)
-        written = {worker.sink.name: worker.stats.written for worker in self.workers}
-        self.log.info(
-            "request trace: flushed at shutdown; records written per sink: %s",
-            ", ".join(f"{name}: {count}" for name, count in written.items()) or "none",
-        )
+        self.log.info("request trace: flushed at shutdown; %s", self.shutdown_summary())
         return self.dropped()
+
+    def shutdown_summary(self) -> str:
+        """How many requests reached the engine, and what became of their records per sink: each
+        request ends as a record written or a drop counted (before the sinks, or in one)."""
+        before_sinks = self.intake_dropped + self.build_failed
+        per_sink = ", ".join(
+            f"{worker.sink.name}: {worker.stats.written} written, {worker.stats.dropped} dropped"
+            for worker in self.workers
+        ) or "none"
+        return (f"{self.counters.requests_arrived_total} requests reached the engine, "
+                f"{self.counters.requests_completed_total} ended; {before_sinks} dropped before the sinks; "
+                f"records per sink: {per_sink}")

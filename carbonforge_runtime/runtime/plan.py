@@ -21,6 +21,7 @@ from carbonforge_runtime.core.redaction import redact_args, redact_url
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, resolve
 from carbonforge_runtime.runtime.compile_cache import CompileCacheEnv, engine_cache_env, resolve_root
+from carbonforge_runtime.runtime.engine_env import engine_environment, parse_pass_list, withheld_names
 from carbonforge_runtime.runtime.launch_plan import (
     AUTO_TOOL_FLAG,
     ENGINE_MODULE,
@@ -147,8 +148,9 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     must send (CF_API_KEY or the file CF_API_KEY_FILE, read by the caller)."""
     messages: list[Message] = []
     trace = _trace_config(options, environ, cwd, messages)
-    # The engine inherits the runtime's environment, less what only the runtime may read.
-    base_env = {name: value for name, value in environ.items() if name not in RUNTIME_ONLY_VARIABLES}
+    # The engine sees only the variables a serving engine reads (and those the operator adds), never
+    # what only the runtime may read.
+    base_env = engine_environment(environ, parse_pass_list(settings.engine_env_pass), never=RUNTIME_ONLY_VARIABLES)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     if api_key:
         base_env[ENGINE_KEY_VARIABLE] = api_key
@@ -309,6 +311,10 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
         out.append(f"engine environment: {setting}  ({entry.why})")
     for entry in plan.compile_cache.lines if plan.compile_cache else []:
         out.append(f"engine environment: {entry.name}={entry.value}  ({entry.why})")
+    withheld = withheld_names(environ, launch.env)
+    if withheld:
+        out.append(f"engine environment: withheld from vLLM: {', '.join(withheld)} "
+                   f"(CF_ENGINE_ENV_PASS passes more)")
     out.append(f"request trace:      {describe_trace(plan.trace, options)}")
     out += [f"trace export:       {line}" for line in trace_export_lines(plan.trace, environ)]
     for line in launch.departures:

@@ -379,8 +379,10 @@ def supervise(
                 log.info("vLLM stopped before it was ready" + (" (killed)" if killed else ""))
                 return ExitReport("stopped", code, 0)
             if stop.set:
+                latest = drain_timeout_s + SHUTDOWN_GRACE_S
                 log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name}: stopping vLLM "
-                    f"(drain up to {drain_timeout_s:g} s; a second signal stops it at once)")
+                         f"(drain up to {drain_timeout_s:g} s, stopped within {latest:g} s at the latest; "
+                         "a second signal stops it at once)")
                 code, killed = engine.stop(drain_timeout_s, escalate=lambda: stop.again)
                 if killed and stop.again:
                     log.warning("second signal: vLLM killed without finishing its drain")

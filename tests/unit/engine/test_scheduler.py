@@ -240,3 +240,72 @@ def test_a_contract_of_another_version_stops_the_engine_start_with_a_clear_messa
     assert "version mismatch" in refused.value.message and "99" in refused.value.message
     assert "CarbonForge scheduler cannot start" in caplog.text
     assert "same carbonforge-runtime installation" in caplog.text
+
+
+@pytest.mark.parametrize(("timeout_s", "flush_s", "delay"), [
+    (30, 4.0, 24.0),   # the flush time plus the margin before vLLM's SIGKILL
+    (6, 4.0, 3.0),     # never more than half the drain
+    (0, 4.0, 0.0),     # no drain: vLLM aborts at once itself
+])
+def test_the_leftovers_are_ended_before_vllms_drain_deadline(timeout_s: int, flush_s: float, delay: float) -> None:
+    from carbonforge_runtime.engine.scheduler import abort_delay
+
+    assert abort_delay(timeout_s, flush_s) == pytest.approx(delay)
+
+
+def test_requests_still_running_at_the_drain_deadline_end_as_aborts_with_records_and_answers(
+    vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM SIGKILLs the engine core at its drain deadline; before that, the shim ends what still
+    runs as aborts: one record each, an abort output to each client, and an engine with no work."""
+    from vllm.v1.engine import FinishReason
+
+    path = tmp_path / "t.jsonl"
+    configure(monkeypatch, path)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the engine's handler
+    try:
+        engine = Engine(vllm_parts, max_num_seqs=2)
+        engine.scheduler.vllm_config.shutdown_timeout = 2  # flush 5 s in the harness: abort after 1 s
+        ids = [f"chatcmpl-long{i}-0123abcd" for i in range(3)]  # two run, one waits
+        for rid in ids:
+            engine.add(rid, list(range(1, 10)), max_tokens=400)
+        engine.step()
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not engine.scheduler._cf_stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _, outputs = engine.step()
+        assert all(o.finish_reason is None for eco in outputs.values() for o in eco.outputs)  # still draining
+        time.sleep(1.1)
+        with caplog.at_level(logging.INFO, logger="vllm.carbonforge"):
+            _, outputs = engine.step()
+            ended = {o.request_id: o.finish_reason for eco in outputs.values() for o in eco.outputs
+                     if o.finish_reason is not None}
+            assert ended == dict.fromkeys(ids, FinishReason.ABORT)
+            assert set().union(*(eco.finished_requests or set() for eco in outputs.values())) == set(ids)
+            engine.step()  # the step that tells the scheduler's output the ids are gone
+            assert not engine.scheduler.has_requests()  # the engine leaves its loop on its own
+        got = records(path)
+        assert sorted(r["request_id"] for r in got) == sorted(rid.rsplit("-", 1)[0] for rid in ids)
+        assert {r["finish_reason"] for r in got} == {"abort"}
+        assert "ending 3 request(s) still in flight as aborted" in caplog.text
+        assert "3 requests reached the engine, 3 ended; 0 dropped before the sinks" in caplog.text
+        assert f"file {path}: 3 written, 0 dropped" in caplog.text
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_engine_shut_down_with_requests_unfinished_still_writes_their_records(
+    vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "t.jsonl"
+    configure(monkeypatch, path)
+    engine = Engine(vllm_parts, max_num_seqs=1)
+    engine.add("chatcmpl-running-0123abcd", list(range(1, 10)), max_tokens=400)
+    engine.add("chatcmpl-queued-0123abcd", list(range(1, 10)), max_tokens=400)
+    engine.step()
+    engine.scheduler.shutdown()
+    got = records(path)
+    assert sorted(r["request_id"] for r in got) == ["chatcmpl-queued", "chatcmpl-running"]
+    assert {r["finish_reason"] for r in got} == {"abort"}
+    assert next(r for r in got if r["request_id"] == "chatcmpl-queued")["ttft_s"] is None

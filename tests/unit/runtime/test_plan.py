@@ -17,7 +17,7 @@ from carbonforge_runtime.core.contract import EngineContract
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
 from carbonforge_runtime.runtime import supervisor
-from carbonforge_runtime.runtime.plan import ServeOptions, build_plan, command_line
+from carbonforge_runtime.runtime.plan import ServeOptions, build_plan, command_line, describe_plan
 from carbonforge_runtime.runtime.serve import serve
 from carbonforge_runtime.settings import load_settings
 
@@ -116,6 +116,26 @@ def test_the_licence_key_stays_out_of_the_engine_environment() -> None:
         assert "CARBONFORGE_LICENSE_KEY" not in engine_env
         assert "secret-licence-text" not in "".join(engine_env.values())
         assert engine_env["HF_TOKEN"] == "hf_x" and engine_env["PATH"] == "/usr/bin"  # what vLLM needs stays
+
+
+def test_the_engine_sees_only_what_a_serving_engine_reads_plus_what_the_operator_passes() -> None:
+    environ = {"PATH": "/usr/bin", "HOME": "/root", "VLLM_LOGGING_LEVEL": "DEBUG", "NCCL_DEBUG": "INFO",
+               "CUDA_VISIBLE_DEVICES": "0", "OTEL_EXPORTER_OTLP_HEADERS": "x=1", "https_proxy": "http://p:3128",
+               "AWS_ACCESS_KEY_ID": "weights-bucket", "CF_RECIPES_DIR": "/r", "CF_API_KEY": "k1",
+               "DATABASE_PASSWORD": "hunter2", "GITHUB_TOKEN": "ghp_x", "MY_TEAM_FLAG": "on", "MY_TEAM_MODE": "a",
+               "CF_ENGINE_ENV_PASS": "MY_TEAM_*, OTHER"}
+    plan = build_plan(ServeOptions(vllm_args=["/models/m"]), load_settings(environ), SHIPPED, environ)
+    engine_env = plan.launch.engine_env()
+    for kept in ("PATH", "HOME", "VLLM_LOGGING_LEVEL", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES",
+                 "OTEL_EXPORTER_OTLP_HEADERS", "https_proxy", "AWS_ACCESS_KEY_ID", "MY_TEAM_FLAG", "MY_TEAM_MODE"):
+        assert engine_env[kept] == environ[kept], kept
+    for withheld in ("CF_RECIPES_DIR", "CF_API_KEY", "DATABASE_PASSWORD", "GITHUB_TOKEN", "CF_ENGINE_ENV_PASS"):
+        assert withheld not in engine_env, withheld
+    assert "hunter2" not in "".join(engine_env.values())
+    shown = "\n".join(describe_plan(plan, ServeOptions(vllm_args=["/models/m"]), environ))
+    withheld = "CF_API_KEY, CF_ENGINE_ENV_PASS, CF_RECIPES_DIR, DATABASE_PASSWORD, GITHUB_TOKEN"
+    assert f"withheld from vLLM: {withheld}" in shown
+    assert "hunter2" not in shown and "ghp_x" not in shown
 
 
 def test_an_api_key_in_the_extra_arguments_never_reaches_argv_or_the_dry_run(
