@@ -163,16 +163,17 @@ class RuntimeProcess:
                 self.proc.wait(timeout=10)
 
     def engine_pid(self) -> int:
-        """The runtime's direct child: vLLM's API server process."""
+        """The runtime's direct child that is vLLM's API server (the other one is its watchdog)."""
         assert self.proc is not None
-        for pid in descendants(self.proc.pid):
+        for pid in sorted(descendants(self.proc.pid)):
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and b"vllm" in cmdline:
                 return pid
-        raise AssertionError("the runtime has no child process")
+        raise AssertionError("the runtime has no vLLM child process")
 
     def leftover_children(self) -> set[int]:
         return {pid for pid in self.known_children if alive(pid)}

@@ -70,6 +70,7 @@ class Run:
             "CF_RECIPES_DIR": str(recipes), "CF_LOG_DIR": str(tmp_path / "logs"), "CF_PORT": str(free_port()),
             "CF_HOST": "127.0.0.1", "CF_FAKE_NVML": str(script), "CF_READY_TIMEOUT_S": "30",
             "CF_DOUBLE_CRASH_FILE": str(self.crash_file), "CF_METRICS_PORT": str(self.metrics_port),
+            "CF_ENGINE_ENV_PASS": "CF_DOUBLE_*",  # the engine double's own settings reach it as an operator's would
         }
         if dry_run:
             self.env["CF_DRY_RUN"] = "1"
