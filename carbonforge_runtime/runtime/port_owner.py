@@ -100,7 +100,9 @@ def describe_process(pid: int, proc: Path = Path("/proc")) -> str:
         command = " ".join(raw.split())
     except OSError:
         command = ""
-    return f"pid {pid} ({command[:120]})" if command else f"pid {pid}"
+    if len(command) > 160:  # keep both ends: the program, and the script or arguments it was given
+        command = f"{command[:70]} ... {command[-85:]}"
+    return f"pid {pid} ({command})" if command else f"pid {pid}"
 
 
 def foreign_listener_problem(port: int, host: str, engine_pgid: int, proc: Path = Path("/proc")) -> str | None:

@@ -163,17 +163,18 @@ class RuntimeProcess:
                 self.proc.wait(timeout=10)
 
     def engine_pid(self) -> int:
-        """The runtime's direct child that is vLLM's API server (the other one is its watchdog)."""
+        """The runtime's direct child: vLLM's API server process, never the watchdog beside it
+        (``python -c``). Under a wrapper such as strace, the child is the runtime it runs."""
         assert self.proc is not None
         for pid in sorted(descendants(self.proc.pid)):
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and b"vllm" in cmdline:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and argv[1:2] != [b"-c"]:
                 return pid
-        raise AssertionError("the runtime has no vLLM child process")
+        raise AssertionError("the runtime has no child process")
 
     def leftover_children(self) -> set[int]:
         return {pid for pid in self.known_children if alive(pid)}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from carbonforge_runtime.runtime import supervisor
-from carbonforge_runtime.runtime.port_owner import foreign_listener_problem, listeners
+from carbonforge_runtime.runtime.port_owner import describe_process, foreign_listener_problem, listeners
 from tests.support import free_port
 
 LOG = logging.getLogger("test-port-owner")
@@ -124,3 +124,14 @@ def test_supervise_does_not_declare_ready_on_a_foreign_health_answer(tmp_path: P
     while engine.group_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.group_alive()
+
+
+def test_a_long_command_line_keeps_its_program_and_its_script(tmp_path: Path) -> None:
+    """A deep virtual environment and a deep script path: the script's name must still show."""
+    (tmp_path / "4242").mkdir()
+    argv = ["/tmp/" + "d" * 90 + "/.venv/bin/python", "/tmp/pytest-of-root/" + "p" * 90 + "/foreign-health-server.py",
+            "57421"]
+    (tmp_path / "4242" / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    shown = describe_process(4242, proc=tmp_path)
+    assert shown.startswith("pid 4242 (/tmp/ddd") and shown.endswith("foreign-health-server.py 57421)")
+    assert len(shown) < 200
