@@ -7,10 +7,13 @@ the same safe text.
 
 from __future__ import annotations
 
+import io
 import logging
 import logging.handlers
 import sys
 from pathlib import Path
+
+from carbonforge_runtime import files
 
 LOGGER_NAME = "carbonforge"
 #: The runtime's own log file, beside vllm.log in the log directory.
@@ -51,6 +54,28 @@ class _Pending(logging.Handler):
             self.records.append(record)
 
 
+class _NoFollowRotatingHandler(logging.handlers.RotatingFileHandler):
+    """Size-based rotation that never writes through a symbolic link: the file is opened (at start
+    and after each rotation) with ``O_NOFOLLOW``, so a link planted as runtime.log is refused. The
+    rotation itself only renames and removes names, which moves or deletes a planted link without
+    touching what it points at."""
+
+    _refusal_shown = False
+
+    def _open(self) -> io.TextIOWrapper:
+        fd = files.open_append(self.baseFilename, 0o644)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        refused = sys.exc_info()[1]
+        if isinstance(refused, files.SymlinkRefused):  # one line, once: not a traceback per record
+            if not self._refusal_shown:
+                self._refusal_shown = True
+                sys.stderr.write(f"carbonforge: runtime.log is not written: {refused}; fix: {refused.remedy}\n")
+            return
+        super().handleError(record)
+
+
 class RuntimeLogFile:
     """The runtime's log in ``runtime.log`` beside vllm.log, rotated by size.
 
@@ -65,7 +90,7 @@ class RuntimeLogFile:
 
     def open(self, log_dir: Path) -> None:
         logger = get_logger()
-        handler = logging.handlers.RotatingFileHandler(
+        handler = _NoFollowRotatingHandler(
             log_dir / RUNTIME_LOG_NAME, maxBytes=RUNTIME_LOG_MAX_BYTES, backupCount=RUNTIME_LOG_BACKUPS,
             encoding="utf-8",
         )

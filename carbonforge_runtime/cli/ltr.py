@@ -39,7 +39,11 @@ def fit_command(
         params = LtrParams.from_mapping({"prior_weight": prior_weight, "ridge": ridge}, where="ltr fit")
         examples = read_examples(trace, load_tokenize(tokenizer) if tokenizer else None)
         model, report = fit_report(examples, holdout, params)
-        model.save(output)
+        try:
+            model.save(output)
+        except OSError as exc:
+            raise UsageError(f"cannot write the model to {output} ({exc.strerror})",
+                             "pass --output with a path in a writable directory") from None
         typer.echo(f"fitted on {int(report['train'])} requests, {int(report['keys'])} prefix keys; model: {output}")
         if "tau_held_out" in report:
             typer.echo(f"Kendall tau on {int(report['held_out'])} held-out requests: {report['tau_held_out']:.3f} "

@@ -10,12 +10,14 @@ retry can fix (the batch is dropped and counted at once).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from carbonforge_runtime import files
 from carbonforge_runtime.core.contract import PROTOCOL_GRPC, MetricsFeed, OtlpTarget, TraceConfig
 from carbonforge_runtime.core.redaction import redact_url
 
@@ -43,22 +45,36 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """Appends one JSON object per line. Reopens the file when it was removed or replaced, and
-    never leaves a partial line behind: a failed append is cut back to where it started."""
+    """Appends one JSON object per line. Reopens the file when it was removed or replaced, never
+    writes through a symbolic link, and at the private (full) level keeps the file owner-only.
+
+    Several engine cores (data parallel) may append to the same file, each with its own sink in its
+    own process. Each batch is appended under an exclusive ``flock`` on the file, which every one of
+    these writers takes: while it is held, the bytes from where the batch began to the end of the
+    file are this batch's alone. So a failed or short append is cut back to where the batch began
+    and never further: what the other writers appended stays, no partial line is left, and the
+    retried batch lands whole, once. (Whole-line ``O_APPEND`` writes without a lock could not undo a
+    short write without risking another writer's lines.) The cut is also skipped when the file grew
+    by more than this batch wrote, in case a writer that takes no lock appended meanwhile."""
 
     def __init__(self, path: str, private: bool = False) -> None:
         self.path = path
         self.name = f"file {path}"
+        self.private = private
         self.mode = 0o600 if private else 0o644
         self._fd: int | None = None
         self._ident: tuple[int, int] | None = None
 
     def _open(self) -> int:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, self.mode)
+        try:
+            fd = files.open_append(self.path, self.mode)
+        except files.SymlinkRefused as exc:  # no retry helps until the link is gone: drop and count
+            raise PermanentSinkError(f"{exc}; fix: {exc.remedy}") from None
+        except files.NotRegularFile as exc:
+            raise SinkError(str(exc)) from None
+        except OSError as exc:
+            raise SinkError(f"cannot open {self.path}: {exc.strerror or exc}") from None
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise SinkError(f"{self.path} is not a regular file")
         self._fd, self._ident = fd, (info.st_dev, info.st_ino)
         return fd
 
@@ -66,7 +82,7 @@ class JsonlSink:
         """The open descriptor, if it still names the file at ``path``; else a fresh one."""
         if self._fd is not None:
             try:
-                info = os.stat(self.path)
+                info = os.stat(self.path, follow_symlinks=False)  # a link put in its place is never ours
                 if (info.st_dev, info.st_ino) == self._ident:
                     return self._fd
             except OSError:
@@ -80,24 +96,60 @@ class JsonlSink:
                 os.close(self._fd)
             self._fd = self._ident = None
 
+    def _lock(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            self._close_fd()
+            raise PermanentSinkError(
+                f"cannot lock {self.path} ({exc.strerror or exc}), so appends of several engine cores could "
+                "not be kept apart; put the trace file on a filesystem with file locks (a local disk or volume)"
+            ) from None
+
+    def _keep_private(self, fd: int, mode: int) -> None:
+        """At the full level the file holds prompts: make it owner-only (again, if it was replaced or
+        widened) before anything is written, or write nothing."""
+        if not self.private or stat.S_IMODE(mode) == 0o600:
+            return
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError as exc:
+            self._close_fd()
+            raise PermanentSinkError(
+                f"{self.path} has mode {stat.S_IMODE(mode):o} and cannot be made owner-only "
+                f"({exc.strerror or exc}); records with prompts are not written to it; fix: remove the file "
+                "or give the engine's user ownership of it"
+            ) from None
+
     def write(self, records: Sequence[Record]) -> None:
         blob = "".join(json.dumps(r, ensure_ascii=False, separators=(", ", ": ")) + "\n" for r in records)
         data = blob.encode("utf-8")
+        fd = self._current_fd()
+        self._lock(fd)
         try:
-            fd = self._current_fd()
-        except OSError as exc:
-            raise SinkError(f"cannot open {self.path}: {exc.strerror or exc}") from None
-        start = os.fstat(fd).st_size
-        view = memoryview(data)
-        try:
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-        except OSError as exc:
-            with contextlib.suppress(OSError):  # cut back a partial append: only whole lines in the file
-                os.ftruncate(fd, start)
-            self._close_fd()
-            raise SinkError(f"cannot append to {self.path}: {exc.strerror or exc}") from None
+            try:
+                info = os.fstat(fd)
+            except OSError as exc:
+                self._close_fd()
+                raise SinkError(f"cannot append to {self.path}: {exc.strerror or exc}") from None
+            self._keep_private(fd, info.st_mode)
+            start = done = info.st_size
+            view = memoryview(data)
+            try:
+                while view:
+                    written = os.write(fd, view)
+                    done += written
+                    view = view[written:]
+            except OSError as exc:
+                with contextlib.suppress(OSError):  # cut back our own partial tail: only whole lines remain
+                    if done > start and os.fstat(fd).st_size == done:
+                        os.ftruncate(fd, start)
+                self._close_fd()
+                raise SinkError(f"cannot append to {self.path}: {exc.strerror or exc}") from None
+        finally:
+            if self._fd == fd:  # closing the descriptor released the lock already
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         if self._fd is not None:

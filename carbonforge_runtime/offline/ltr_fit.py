@@ -9,13 +9,14 @@ again with the served model's tokenizer and hashed the same way the engine does
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.core.ordering.ltr import Example, evaluate, fit, kendall_tau_b, prefix_hash
 from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.offline.trace_reader import numbered_records
+from carbonforge_runtime.offline.trace_reader import MAX_REQUEST_TOKENS, numbered_records
 
 
 def load_tokenize(model_dir: str) -> Callable[[str], list[int]]:
@@ -53,6 +54,14 @@ def read_examples(trace: Path, tokenize: Callable[[str], list[int]] | None) -> l
         except (ValueError, KeyError, TypeError, OverflowError):
             raise UsageError(f"{trace}:{number}: not a trace record with prompt_tokens and output_tokens",
                              "fit on a trace written by --request-trace full") from None
+        if not math.isfinite(arrival):
+            raise UsageError(f"{trace}:{number}: t_arrival is not a finite number of seconds",
+                             "fix or drop that line")
+        for name, count in (("prompt_tokens", prompt), ("output_tokens", output)):
+            if not 0 <= count <= MAX_REQUEST_TOKENS:
+                shown = str(count) if len(str(count)) <= 20 else f"{str(count)[:17]}..."
+                raise UsageError(f"{trace}:{number}: {name}={shown} is outside 0..{MAX_REQUEST_TOKENS:,}",
+                                 "fix or drop that line")
         if record.get("finish_reason") in ("abort", "error"):
             continue  # an aborted request's length says nothing about its natural length
         key = record.get("prefix_hash")

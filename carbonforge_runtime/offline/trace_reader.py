@@ -34,6 +34,9 @@ _READ_BYTES = 1 << 20
 _MAX_INFLATE_BYTES = 1 << 20
 #: The longest line read. A full-level record with a long prompt and output is well under a MiB.
 MAX_LINE_BYTES = 16 << 20
+#: The largest prompt or output size a trace may give one request: ten million tokens, beyond the
+#: context of any model. A larger count is a damaged or hostile file, refused with its line.
+MAX_REQUEST_TOKENS = 10_000_000
 
 
 class TraceInputError(CarbonForgeError):
@@ -46,6 +49,15 @@ class DamagedInput(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def loads_line(line: bytes | str) -> Any:
+    """One line parsed as JSON (the standard library's reading: NaN, Infinity and big integers
+    allowed); ValueError for anything that is not JSON, nesting too deep for the parser included."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a trace record") from None
 
 
 def check_readable(path: Path) -> None:
@@ -111,6 +123,10 @@ def _inflated_blocks(path: Path) -> Iterator[bytes]:
         raise DamagedInput("gzip data is truncated (the file ends before the end of the compressed stream)")
 
 
+def _too_long(line: int) -> str:
+    return f"line {line} is longer than {MAX_LINE_BYTES // (1 << 20)} MiB (is this a trace file?)"
+
+
 def _line_blocks(path: Path) -> Iterator[bytes]:
     """The file's bytes in blocks of whole lines (no final newline; a leading BOM removed).
 
@@ -122,6 +138,7 @@ def _line_blocks(path: Path) -> Iterator[bytes]:
     pending: list[bytes] = []  # the start of a line that has not ended yet, in pieces
     pending_bytes = 0
     first = True
+    lines_before = 0  # complete lines yielded so far, so that a refusal names its line
     for block in blocks:
         if first:
             first = False
@@ -132,12 +149,13 @@ def _line_blocks(path: Path) -> Iterator[bytes]:
             pending.append(block)
             pending_bytes += len(block)
             if pending_bytes > MAX_LINE_BYTES:
-                raise DamagedInput(f"a line is longer than {MAX_LINE_BYTES // (1 << 20)} MiB (is this a trace file?)")
+                raise DamagedInput(_too_long(lines_before + 1))
             continue
         if pending_bytes + block.find(b"\n") > MAX_LINE_BYTES:  # the line that ends in this block
-            raise DamagedInput(f"a line is longer than {MAX_LINE_BYTES // (1 << 20)} MiB (is this a trace file?)")
+            raise DamagedInput(_too_long(lines_before + 1))
         head = b"".join([*pending, block[:cut]]) if pending else block[:cut]
         pending, pending_bytes = ([block[cut + 1:]], len(block) - cut - 1) if cut + 1 < len(block) else ([], 0)
+        lines_before += head.count(b"\n") + 1
         yield head
     if pending:
         yield b"".join(pending)
@@ -169,7 +187,7 @@ def numbered_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = loads_line(line)
                 except ValueError as exc:
                     raise TraceInputError(f"{path}:{number}: is not JSON ({exc})",
                                           "a JSONL trace has one JSON object per line") from None

@@ -56,6 +56,11 @@ def load_recipe_file(path: Path) -> Recipe:
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML ({exc})", "fix the YAML syntax (recipes use no anchors or "
                           "aliases)") from None
+    except ValueError as exc:  # a scalar YAML cannot convert, e.g. an integer of thousands of digits
+        raise RecipeError(f"{path}: not valid YAML ({str(exc)[:120]})", "fix the value") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: nested too deeply to be a recipe", "a recipe is a shallow YAML mapping: "
+                          "check that the right file is named") from None
     return recipe_from_mapping(data, path)
 
 

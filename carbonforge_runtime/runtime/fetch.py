@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from carbonforge_runtime import files
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs, resolve
 from carbonforge_runtime.runtime.checks import check_fetch_licence
@@ -28,13 +29,15 @@ from carbonforge_runtime.runtime.hf_cache import (
     missing_summary,
     snapshot_state,
 )
+from carbonforge_runtime.runtime.launch_plan import DEFAULT_OVERRIDE_DRAIN_S
 from carbonforge_runtime.runtime.privacy import hub_offline_choice, is_offline
+from carbonforge_runtime.runtime.supervisor import stop_timeout_s
 from carbonforge_runtime.settings import Settings
 
 #: The image the README builds (``docker build -t carbonforge-runtime .``).
 IMAGE = "carbonforge-runtime"
 #: Where the image keeps the cache (HF_HOME in the Dockerfile) and the engine's hub/ inside it.
-IMAGE_HF_HOME = "/root/.cache/huggingface"
+IMAGE_HF_HOME = "/var/cache/huggingface"
 IMAGE_HUB = IMAGE_HF_HOME + "/hub"
 #: The named volume of the docs and the compose example.
 CACHE_VOLUME = "hf-cache"
@@ -97,10 +100,7 @@ def _cache_dir(to: str | None, environ: Mapping[str, str]) -> tuple[Path, str]:
 
 def _prepare_cache(cache_dir: Path) -> None:
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        probe = cache_dir / ".cf-fetch-write-test"
-        probe.write_text("")
-        probe.unlink()
+        files.probe_writable(cache_dir)
     except OSError as exc:
         raise CarbonForgeError(
             f"the cache directory {cache_dir} cannot be written ({exc.strerror or exc})",
@@ -127,7 +127,8 @@ def docker_run_line(target: FetchTarget, cache_dir: Path, source: str) -> str:
         args += ["--gpus", "all"]
     if recipe is not None and not recipe.key.hardware.is_cpu and recipe.key.hardware.count > 1:
         args += ["--shm-size", "16g"]
-    args += ["-p", "8000:8000", "--stop-timeout", "60"]
+    drain_s = recipe.drain_timeout_s if recipe is not None else DEFAULT_OVERRIDE_DRAIN_S
+    args += ["-p", "8000:8000", "--stop-timeout", str(stop_timeout_s(drain_s))]
     if recipe is not None:
         args += ["-e", f"CF_CONTEXT_KEY={recipe.key_text}"]
     args += ["-e", "HF_HUB_OFFLINE=1"]

@@ -36,6 +36,7 @@ from carbonforge_runtime.runtime.launch_plan import (
 from carbonforge_runtime.runtime.licensing.gate import check_recipe_args
 from carbonforge_runtime.runtime.model_arg import model_from_args
 from carbonforge_runtime.runtime.privacy import PrivacyEnv, engine_privacy_env
+from carbonforge_runtime.runtime.supervisor import stop_timeout_s
 from carbonforge_runtime.runtime.trace_options import resolve_trace_options, trace_export_lines
 from carbonforge_runtime.settings import Settings
 
@@ -286,7 +287,8 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
     out.append(f"served model name:  {launch.served_model_name}")
     out.append(f"API:                http://{launch.host}:{launch.port}/v1")
     out += describe_api(launch)
-    out.append(f"drain time:         {launch.drain_timeout_s:g} s")
+    out.append(f"drain time:         {launch.drain_timeout_s:g} s  (stop timeout: at least "
+               f"{stop_timeout_s(launch.drain_timeout_s)} s, e.g. docker run --stop-timeout)")
     if launch.knobs:
         out.append("vLLM knobs (value, source):")
         width = max(len(k.name) for k in launch.knobs)

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from carbonforge_runtime import files
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.core.contract import TraceConfig
 from carbonforge_runtime.errors import CarbonForgeError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
+from carbonforge_runtime.runtime import serve_address
 from carbonforge_runtime.runtime.api_key import read_api_key
 from carbonforge_runtime.runtime.checks import Verdicts, check_hardware, check_licence, hardware_refusal, preflight
 from carbonforge_runtime.runtime.doctor.facts import hub_cache_dir, weights_on_host
@@ -128,23 +130,13 @@ def describe_prepared(prepared: Prepared, options: ServeOptions, environ: Mappin
 
 def create_trace_file(path: str, private: bool) -> bool:
     """Create ``path`` (and its directory) before the engine starts; at the full level make it
-    readable by its owner only. Returns True when an existing file's mode was tightened."""
+    readable by its owner only. Returns True when an existing file's mode was tightened. A symbolic
+    link at ``path`` is refused (:class:`~carbonforge_runtime.files.SymlinkRefused`), never followed."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
+    fd = files.open_append(path, 0o600 if private else 0o644)
     try:
-        existing = os.stat(path)
-    except FileNotFoundError:
-        existing = None
-    if existing is not None and not stat.S_ISREG(existing.st_mode):
-        raise IsADirectoryError(f"{path} is not a regular file")
-    # Non-blocking: a FIFO without a reader fails at once (ENXIO) instead of blocking the launch.
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
-    fd = os.open(path, flags, 0o600 if private else 0o644)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise IsADirectoryError(f"{path} is not a regular file")
-        if private and stat.S_IMODE(info.st_mode) != 0o600:
+        if private and stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
             os.fchmod(fd, 0o600)
             return True
         return False
@@ -158,6 +150,8 @@ def _create_trace_file(trace: TraceConfig | None) -> None:
         return
     try:
         tightened = create_trace_file(trace.file, private=trace.full)
+    except files.SymlinkRefused as exc:
+        raise exc.as_error() from None
     except OSError as exc:
         raise CarbonForgeError(
             f"cannot create the trace file {trace.file} ({exc.strerror or exc})",
@@ -171,16 +165,22 @@ def _create_trace_file(trace: TraceConfig | None) -> None:
 def _log_dir(settings: Settings) -> Path:
     path = settings.log_dir
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        files.probe_writable(path)
     except OSError as exc:
         raise CarbonForgeError(
             f"log directory {path} is not writable ({exc.strerror})",
             "mount a writable volume at /var/log/carbonforge, or set CF_LOG_DIR to a writable directory",
         ) from None
     return path
+
+
+def _record_serve_address(log_dir: Path, host: str, port: int) -> None:
+    """Tell the image's healthcheck where the API will answer (a failure only costs the probe's aim)."""
+    try:
+        serve_address.write(log_dir, host, port)
+    except OSError as exc:
+        cflog.get_logger().warning("cannot write %s (%s): the image healthcheck falls back to CF_PORT",
+                                   log_dir / serve_address.FILE_NAME, exc.strerror or exc)
 
 
 def serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str], gpu: GpuBackend) -> int:
@@ -234,12 +234,15 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     log_dir = _log_dir(settings)
     try:
         runtime_log.open(log_dir)
+    except files.SymlinkRefused as exc:
+        raise exc.as_error() from None
     except OSError as exc:
         raise CarbonForgeError(
             f"cannot write {log_dir / cflog.RUNTIME_LOG_NAME} ({exc.strerror or exc})",
             "make the log directory writable (the /var/log/carbonforge volume, or CF_LOG_DIR)",
         ) from None
     _create_trace_file(prepared.trace)
+    _record_serve_address(log_dir, plan.host, plan.port)
     if plan.recipe and plan.recipe.model.builtin:
         from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from carbonforge_runtime import files
 from carbonforge_runtime.core.redaction import redact_args
 from carbonforge_runtime.runtime.port_owner import foreign_listener_problem
 from carbonforge_runtime.runtime.startup_phases import (
@@ -42,6 +44,15 @@ POLL_INTERVAL_S = 0.5
 #: A stop before the engine is ready: how long the API server gets to exit before SIGKILL.
 EARLY_STOP_GRACE_S = 2.0
 PROGRESS_INTERVAL_S = 10.0
+
+
+def stop_timeout_s(drain_s: float) -> int:
+    """How long a container manager must wait after SIGTERM before it SIGKILLs the runtime, for a
+    drain time of ``drain_s``: the drain, the grace for the engine to exit, its stragglers, rounded
+    up to ten seconds (``docker stop -t``, ``--stop-timeout``, ``terminationGracePeriodSeconds``)."""
+    latest = drain_s + SHUTDOWN_GRACE_S + STRAGGLER_GRACE_S
+    return math.ceil(latest / 10.0) * 10
+
 
 _PR_SET_PDEATHSIG = 1
 
@@ -189,7 +200,11 @@ class EngineProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
+        try:  # a symbolic link planted as vllm.log is refused, never followed
+            fd = files.open_append(self.log_path, 0o644)
+        except files.SymlinkRefused as exc:
+            raise exc.as_error() from None
+        with os.fdopen(fd, "ab") as log:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             log.write(f"\n===== carbonforge-runtime starting vLLM at {stamp} =====\n".encode())
             log.write(("$ " + " ".join(redact_args(self.argv)) + "\n").encode())

@@ -250,9 +250,10 @@ class TestFullLevelRecipeSession:
         before = len(read_records(s.trace))
         # From a child process, so the whole burst reaches the engine at once and queues there.
         texts = [prompt_text(i, 20) for i in range(100, 116)]
-        # 96 tokens each: long enough that the engine's two sequences, not the API server's intake of
-        # the burst, set the pace
-        ids = set(send_burst(s.runtime.base_url, TINY_SERVED_NAME, texts, 96))
+        # 768 tokens each (about half a second per request here, more under load): long enough that the
+        # engine's two sequences, not the API server's intake of the burst, set the pace even on a busy
+        # machine (with 96 tokens a request took 0.07 s, as long as the intake of a burst under load)
+        ids = set(send_burst(s.runtime.base_url, TINY_SERVED_NAME, texts, 768))
         s.sent += 16
         burst = [r for r in wait_records(s.trace, before + 16) if r["request_id"] in ids]
         assert len(burst) == 16

@@ -3,6 +3,7 @@ command installs and how long it takes, and the default log directory kept out o
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 
@@ -29,3 +30,52 @@ def test_the_default_serve_log_directory_is_ignored_by_git() -> None:
     for path in ("logs/vllm.log", "logs/runtime.log"):
         done = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, timeout=30)
         assert done.returncode == 0, f"{path} is not ignored by git"
+
+
+def _shipped_drain_s(key: str) -> float:
+    from carbonforge_runtime.recipes import load_recipes, recipe_dirs, resolve
+
+    return resolve(key, load_recipes(recipe_dirs(None))).drain_timeout_s
+
+
+def test_every_documented_docker_run_gives_the_recipe_time_to_drain() -> None:
+    """A stop timeout shorter than the drain (Docker's default is 10 s) SIGKILLs every drain."""
+    import re
+
+    from carbonforge_runtime.runtime.supervisor import stop_timeout_s
+
+    found = 0
+    for path in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))):
+        text = path.read_text().replace("\\\n", " ")
+        for command in re.findall(r"docker run [^\n]*--stop-timeout[^\n]*", text):
+            timeout = int(re.search(r"--stop-timeout (\d+)", command).group(1))  # type: ignore[union-attr]
+            key = re.search(r"CF_CONTEXT_KEY=\"?([\w.:-]+)", command)
+            drain = _shipped_drain_s(key.group(1)) if key else 30.0
+            assert timeout >= stop_timeout_s(drain), f"{path.name}: {command[:100]}... drains {drain:g} s"
+            found += 1
+    assert found >= 2
+
+
+def test_the_compose_example_gives_its_recipe_time_to_drain() -> None:
+    import yaml
+
+    from carbonforge_runtime.runtime.supervisor import stop_timeout_s
+
+    service = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())["services"]["carbonforge"]
+    key = service["command"][service["command"].index("--context-key") + 1]
+    grace = str(service["stop_grace_period"])
+    seconds = int(grace[:-1]) * (60 if grace.endswith("m") else 1)
+    assert seconds >= stop_timeout_s(_shipped_drain_s(key))
+
+
+def test_the_fetch_line_gives_the_recipe_time_to_drain() -> None:
+    from pathlib import Path
+
+    from carbonforge_runtime.recipes import load_recipes, recipe_dirs
+    from carbonforge_runtime.runtime.fetch import FetchTarget, docker_run_line
+
+    recipes = [r for r in load_recipes(recipe_dirs(None)).values() if not r.model.builtin]
+    assert {r.drain_timeout_s for r in recipes} >= {30.0, 120.0}
+    for recipe in recipes:
+        line = docker_run_line(FetchTarget(recipe.model.repo, recipe.model.revision, recipe), Path("/srv/w"), "--to")
+        assert f"--stop-timeout {math.ceil((recipe.drain_timeout_s + 20) / 10) * 10} " in line, line

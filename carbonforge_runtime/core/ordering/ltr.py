@@ -38,8 +38,12 @@ from carbonforge_runtime.errors import UsageError
 PREFIX_HASH_TOKENS = 64
 MODEL_FORMAT = "carbonforge-ltr"
 MODEL_VERSION = 1
+#: A saved model holds at most max_keys keys of five numbers: a few MiB. Larger files are refused unread.
+MAX_MODEL_BYTES = 64 << 20
 #: log(1 + 128): the prediction before anything has been observed.
 _DEFAULT_LOG_OUTPUT = math.log1p(128.0)
+#: The largest log prediction turned into a length (about 1e300 tokens: beyond any request).
+_MAX_LOG_OUTPUT = 690.0
 
 
 def prefix_hash(token_ids: Sequence[int] | None) -> int:
@@ -81,9 +85,13 @@ class FitStats:
 
     @classmethod
     def from_list(cls, values: Sequence[float]) -> FitStats:
-        if len(values) != 5 or not all(isinstance(v, (int, float)) for v in values):
+        if (not isinstance(values, list) or len(values) != 5
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)):
             raise ValueError("statistics must be five numbers")
-        return cls(*(float(v) for v in values))
+        numbers = [float(v) for v in values]  # OverflowError for an integer no float can hold
+        if not all(math.isfinite(v) for v in numbers) or numbers[0] < 0:
+            raise ValueError("statistics must be finite, with a weight >= 0")
+        return cls(*numbers)
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ class LtrParams:
         values: dict[str, Any] = {}
         for name in ("prior_weight", "ridge", "max_weight"):
             value = params.get(name, getattr(defaults, name))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value < 0:
                 raise UsageError(f"{where}: parameter {name}={value!r} must be a number >= 0",
                                  f"fix scheduler.params.{name} in the recipe")
             values[name] = float(value)
@@ -116,6 +124,14 @@ class LtrParams:
             raise UsageError(f"{where}: parameter use_max_tokens={use_max!r} must be true or false",
                              "fix scheduler.params.use_max_tokens in the recipe")
         return cls(values["prior_weight"], values["ridge"], values["max_weight"], max_keys, use_max)
+
+
+def _finite(value: float) -> bool:
+    """A finite number a float can hold (an integer of 400 digits is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _x(prompt_tokens: int) -> float:
@@ -204,7 +220,8 @@ class LtrModel:
 
     def predict(self, prefix_hash: int, prompt_tokens: int, max_tokens: int | None = None) -> float:
         """Predicted output tokens (a float, >= 0)."""
-        value = math.expm1(self.predict_log(prefix_hash, prompt_tokens))
+        # Capped so that a model with extreme (finite) statistics predicts a huge length, not an overflow.
+        value = math.expm1(min(self.predict_log(prefix_hash, prompt_tokens), _MAX_LOG_OUTPUT))
         if value < 0.0:
             return 0.0
         if max_tokens and value > max_tokens and max_tokens > 0 and self.params.use_max_tokens:
@@ -252,13 +269,16 @@ class LtrModel:
             while len(model.keys) > params.max_keys:
                 model.keys.popitem(last=False)
             model._invalidate()
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise bad(str(exc)) from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise bad(str(exc)[:200]) from None
         return model
 
     @classmethod
     def load(cls, path: Path, params: LtrParams | None = None) -> LtrModel:
         try:
+            if path.stat().st_size > MAX_MODEL_BYTES:
+                raise UsageError(f"ranker model {path} is over {MAX_MODEL_BYTES >> 20} MiB, too large for a model",
+                                 "point scheduler.params.model at a file written by `carbonforge-runtime ltr fit`")
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise UsageError(f"cannot read ranker model {path} ({exc.strerror})",
@@ -268,6 +288,9 @@ class LtrModel:
                              "write it with `carbonforge-runtime ltr fit`") from None
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise UsageError(f"ranker model {path} is nested too deeply to be a model",
+                             "write it with `carbonforge-runtime ltr fit`") from None
         except ValueError as exc:
             raise UsageError(f"ranker model {path} is not JSON ({exc})",
                              "write it with `carbonforge-runtime ltr fit`") from None

@@ -7,15 +7,19 @@
   its characters when scaled down); otherwise a prompt of the recorded size is generated, as
   token ids (exact size; vLLM accepts them on /v1/completions) or as plain words (for servers
   that take text only; the size is then approximate).
+
+A plan holds sizes, never generated prompts: a prompt is made when its request is sent
+(:attr:`PlannedRequest.prompt`), so memory does not grow with the recorded token counts. Sizes
+stay within :data:`~carbonforge_runtime.offline.replay.trace.MAX_REQUEST_TOKENS` whatever the scale.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from carbonforge_runtime.offline.replay.trace import RecordedRequest, Recording, ReplayError
+from carbonforge_runtime.offline.replay.trace import MAX_REQUEST_TOKENS, RecordedRequest, Recording, ReplayError
 
 PROMPT_FORMATS = ("auto", "ids", "text")
 
@@ -71,14 +75,30 @@ class PlanOptions:
 class PlannedRequest:
     index: int  # the recording's index
     send_at_s: float  # seconds after the replay starts
-    prompt: str | list[int]
     prompt_tokens: int  # intended prompt size (exact for ids, recorded for texts, approximate for words)
     output_tokens: int  # forced with max_tokens + ignore_eos
     template: str | None = None
+    #: How :attr:`prompt` is made: "recorded" (``recorded_text``), "ids" or "text" (generated when sent).
+    prompt_format: str = "ids"
+    recorded_text: str | None = field(default=None, repr=False)
+    seed: int = 0
+    token_id_low: int = 100
+    token_id_high: int = 4000
+
+    @property
+    def prompt(self) -> str | list[int]:
+        """The prompt to send, made on each call (deterministic): a plan keeps only its size."""
+        if self.prompt_format == "recorded":
+            assert self.recorded_text is not None
+            return self.recorded_text
+        if self.prompt_format == "ids":
+            return token_id_prompt(self.index, self.prompt_tokens, self.seed, self.token_id_low, self.token_id_high)
+        return word_prompt(self.index, self.prompt_tokens, self.seed)
 
 
 def scaled(value: int, scale: float, cap: int | None) -> int:
-    out = max(1, round(value * scale))
+    """``value`` times ``scale``, at least 1, at most ``cap`` and :data:`MAX_REQUEST_TOKENS`."""
+    out = max(1, round(min(value * scale, MAX_REQUEST_TOKENS)))
     return min(out, cap) if cap is not None else out
 
 
@@ -115,20 +135,23 @@ def build_plan(recording: Recording, options: PlanOptions) -> list[PlannedReques
     elif recording.has_text:
         fmt = "recorded"
     first = window[0].arrival_s
+    span_s = (window[-1].arrival_s - first) / options.rate
+    if not math.isfinite(span_s):
+        raise ReplayError(
+            f"{recording.path}: the recording spans {window[-1].arrival_s - first:.3g} s, which at --rate "
+            f"{options.rate:g} is no schedule",
+            "check the recording's time stamps (seconds), or pass --start/--limit to replay a part of it",
+        )
     planned: list[PlannedRequest] = []
     for req in window:
         output = scaled(req.output_tokens, options.token_scale, options.max_output_tokens)
         prompt_size = scaled(req.prompt_tokens, options.token_scale, options.max_prompt_tokens)
-        prompt: str | list[int]
+        text: str | None = None
         if fmt == "recorded":
             assert req.prompt_text is not None
             scale = min(options.token_scale, prompt_size / req.prompt_tokens)
-            prompt = _cut_text(req.prompt_text, scale)
-        elif fmt == "ids":
-            prompt = token_id_prompt(req.index, prompt_size, options.seed, options.token_id_low,
-                                     options.token_id_high)
-        else:
-            prompt = word_prompt(req.index, prompt_size, options.seed)
-        planned.append(PlannedRequest(req.index, (req.arrival_s - first) / options.rate, prompt, prompt_size,
-                                      output, req.template))
+            text = _cut_text(req.prompt_text, scale)
+        planned.append(PlannedRequest(req.index, (req.arrival_s - first) / options.rate, prompt_size, output,
+                                      req.template, fmt, text, options.seed, options.token_id_low,
+                                      options.token_id_high))
     return planned

@@ -11,16 +11,25 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.offline.trace_reader import check_readable, numbered_records
+from carbonforge_runtime.offline.trace_reader import (
+    MAX_REQUEST_TOKENS,
+    DamagedInput,
+    TraceInputError,
+    check_readable,
+    line_batches,
+    numbered_records,
+)
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+#: Digits of a fraction of a second that are read (nanoseconds); more are ignored.
+_FRACTION_DIGITS = 9
 
 
 class ReplayError(UsageError):
@@ -65,6 +74,12 @@ def _fail(path: Path, line: int | None, problem: str, remedy: str) -> ReplayErro
     return ReplayError(f"{where}: {problem}", remedy)
 
 
+def _shown(raw: Any) -> str:
+    """A value for a message: its repr, cut short (a hostile value may be megabytes long)."""
+    text = repr(raw)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _count(path: Path, line: int, name: str, raw: Any, minimum: int = 0) -> int:
     if isinstance(raw, bool):
         raise _fail(path, line, f"{name} is a boolean, not a token count", "fix or drop that line")
@@ -74,66 +89,109 @@ def _count(path: Path, line: int, name: str, raw: Any, minimum: int = 0) -> int:
         try:
             raw = int(raw.strip())
         except ValueError:
-            raise _fail(path, line, f"{name}={raw!r} is not a whole number", "fix or drop that line") from None
+            raise _fail(path, line, f"{name}={_shown(raw)} is not a whole number", "fix or drop that line") from None
     if not isinstance(raw, int):
-        raise _fail(path, line, f"{name}={raw!r} is not a whole number", "fix or drop that line")
+        raise _fail(path, line, f"{name}={_shown(raw)} is not a whole number", "fix or drop that line")
     if raw < minimum:
-        raise _fail(path, line, f"{name}={raw} is below {minimum}", "fix or drop that line")
+        raise _fail(path, line, f"{name}={_shown(raw)} is below {minimum}", "fix or drop that line")
+    if raw > MAX_REQUEST_TOKENS:
+        raise _fail(path, line, f"{name}={_shown(raw)} is above {MAX_REQUEST_TOKENS:,} (no model takes that many)",
+                    "fix or drop that line")
     return raw
+
+
+def _seconds(path: Path, line: int, name: str, raw: Any) -> float:
+    """A JSON time stamp: a finite number of seconds."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise _fail(path, line, f"{name}={_shown(raw)} is not a number of seconds", "fix or drop that line")
+    try:
+        value = float(raw)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise _fail(path, line, f"{name}={_shown(raw)} is not a finite number of seconds", "fix or drop that line")
+    return value
 
 
 def _parse_timestamp(path: Path, line: int, raw: str) -> float:
     text = raw.strip()
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(value):
+            raise _fail(path, line, f"TIMESTAMP {_shown(raw)} is not a finite number of seconds", "fix that line")
+        return value
     # "2023-11-16 18:15:46.6805900": up to 7 fraction digits, which fromisoformat may not take.
     main, _, fraction = text.partition(".")
     try:
         stamp = datetime.fromisoformat(main)
     except ValueError:
-        raise _fail(path, line, f"TIMESTAMP {raw!r} is neither a date-time nor a number of seconds",
+        raise _fail(path, line, f"TIMESTAMP {_shown(raw)} is neither a date-time nor a number of seconds",
                     "use 'YYYY-MM-DD HH:MM:SS[.fraction]' or Unix seconds") from None
     if stamp.tzinfo is None:
         stamp = stamp.replace(tzinfo=UTC)
-    seconds = stamp.timestamp()
+    try:
+        seconds = stamp.timestamp()
+    except (OverflowError, ValueError, OSError):
+        raise _fail(path, line, f"TIMESTAMP {_shown(raw)} is out of range", "fix that line") from None
     if fraction:
-        if not fraction.isdigit():
-            raise _fail(path, line, f"TIMESTAMP {raw!r} has a malformed fraction of a second", "fix that line")
-        seconds += int(fraction) / 10 ** len(fraction)
+        if not (fraction.isascii() and fraction.isdigit()):
+            raise _fail(path, line, f"TIMESTAMP {_shown(raw)} has a malformed fraction of a second", "fix that line")
+        digits = fraction[:_FRACTION_DIGITS]
+        seconds += int(digits) / 10 ** len(digits)
     return seconds
 
 
+def _csv_lines(path: Path) -> Iterator[str]:
+    """The lines of a CSV recording through the offline tools' bounded reader (plain or gzip)."""
+    try:
+        for batch in line_batches(path):
+            yield from batch
+    except DamagedInput as exc:
+        raise TraceInputError(f"{path}: {exc.reason}",
+                              "copy the file again from its source; an Azure trace has one short row per "
+                              "request") from None
+
+
 def _load_azure(path: Path) -> Recording:
-    with path.open(newline="", encoding="utf-8") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None or not any(cell.strip() for cell in header):
-            raise _fail(path, None, "the file is empty",
-                        f"an Azure trace starts with the header {','.join(AZURE_COLUMNS)}")
-        columns = [cell.strip() for cell in header]
-        unknown = [c for c in columns if c not in AZURE_COLUMNS]
-        missing = [c for c in AZURE_COLUMNS if c not in columns]
-        if unknown or missing:
-            parts = []
-            if unknown:
-                parts.append(f"unknown column(s) {', '.join(repr(c) for c in unknown)}")
-            if missing:
-                parts.append(f"missing column(s) {', '.join(missing)}")
-            raise _fail(path, 1, "; ".join(parts),
-                        f"the Azure trace format has exactly the columns {','.join(AZURE_COLUMNS)}")
-        where = {name: columns.index(name) for name in AZURE_COLUMNS}
-        rows: list[tuple[float, int, int]] = []
-        for number, row in enumerate(reader, start=2):
-            if not row or not any(cell.strip() for cell in row):
-                continue
-            if len(row) != len(columns):
-                raise _fail(path, number, f"has {len(row)} fields, the header has {len(columns)}", "fix that line")
-            stamp = _parse_timestamp(path, number, row[where["TIMESTAMP"]])
-            prompt = _count(path, number, "ContextTokens", row[where["ContextTokens"]], minimum=1)
-            output = _count(path, number, "GeneratedTokens", row[where["GeneratedTokens"]], minimum=0)
-            rows.append((stamp, prompt, max(output, 1)))
+    reader = csv.reader(_csv_lines(path))
+    try:
+        return _read_azure(path, reader)
+    except csv.Error as exc:
+        raise _fail(path, reader.line_num, f"is not CSV ({exc})",
+                    f"an Azure trace is CSV with the header {','.join(AZURE_COLUMNS)}") from None
+
+
+def _read_azure(path: Path, reader: Any) -> Recording:
+    header = next(reader, None)
+    if header is None or not any(cell.strip() for cell in header):
+        raise _fail(path, None, "the file is empty",
+                    f"an Azure trace starts with the header {','.join(AZURE_COLUMNS)}")
+    columns = [cell.strip() for cell in header]
+    unknown = [c for c in columns if c not in AZURE_COLUMNS]
+    missing = [c for c in AZURE_COLUMNS if c not in columns]
+    if unknown or missing:
+        parts = []
+        if unknown:
+            parts.append(f"unknown column(s) {', '.join(_shown(c) for c in unknown[:5])}")
+        if missing:
+            parts.append(f"missing column(s) {', '.join(missing)}")
+        raise _fail(path, 1, "; ".join(parts),
+                    f"the Azure trace format has exactly the columns {','.join(AZURE_COLUMNS)}")
+    where = {name: columns.index(name) for name in AZURE_COLUMNS}
+    rows: list[tuple[float, int, int]] = []
+    for row in reader:
+        number = reader.line_num
+        if not row or not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(columns):
+            raise _fail(path, number, f"has {len(row)} fields, the header has {len(columns)}", "fix that line")
+        stamp = _parse_timestamp(path, number, row[where["TIMESTAMP"]])
+        prompt = _count(path, number, "ContextTokens", row[where["ContextTokens"]], minimum=1)
+        output = _count(path, number, "GeneratedTokens", row[where["GeneratedTokens"]], minimum=0)
+        rows.append((stamp, prompt, max(output, 1)))
     if not rows:
         raise _fail(path, None, "has a header but no requests", "replay a trace with at least one request")
     return Recording(str(path), "azure-csv", _ordered((s, p, o, None, None, None) for s, p, o in rows))
@@ -147,9 +205,7 @@ def _load_jsonl(path: Path) -> Recording:
         if missing:
             raise _fail(path, number, f"lacks the field(s) {', '.join(missing)}",
                         "replay a trace written by --request-trace (standard or full level)")
-        arrival = record["t_arrival"]
-        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival):
-            raise _fail(path, number, f"t_arrival={arrival!r} is not a number of seconds", "fix or drop that line")
+        arrival = _seconds(path, number, "t_arrival", record["t_arrival"])
         prompt = _count(path, number, "prompt_tokens", record["prompt_tokens"], minimum=1)
         output = _count(path, number, "output_tokens", record["output_tokens"], minimum=0)
         text = record.get("prompt_text")
@@ -159,7 +215,7 @@ def _load_jsonl(path: Path) -> Recording:
         raw_hash = record.get("prefix_hash")
         prefix_hash = int(raw_hash) if isinstance(raw_hash, int) and not isinstance(raw_hash, bool) else None
         template = record.get("template") if isinstance(record.get("template"), str) else None
-        rows.append((float(arrival), prompt, max(output, 1), text, prefix_hash, template))
+        rows.append((arrival, prompt, max(output, 1), text, prefix_hash, template))
     if not rows:
         raise _fail(path, None, "is empty", "replay a trace with at least one request")
     kind = "jsonl-full" if texts == len(rows) else "jsonl-standard"

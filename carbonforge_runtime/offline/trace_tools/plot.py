@@ -76,10 +76,12 @@ def render_png(summary: Summary, out: Path, title: str) -> None:
     plt = load_pyplot()
     windows = summary.windows
     origin = windows[0].start
-    count = round((windows[-1].start - origin) / summary.window_s) + 1
+    spanned = (windows[-1].start - origin) / summary.window_s
+    count = round(spanned) + 1 if math.isfinite(spanned) else MAX_WINDOWS + 1
     if count > MAX_WINDOWS:
         raise CarbonForgeError(
-            f"the trace spans {count:,} windows of {fmt_window(summary.window_s)}, too many to draw",
+            f"the trace spans {f'{count:,}' if math.isfinite(spanned) else 'countless'} windows of "
+            f"{fmt_window(summary.window_s)}, too many to draw",
             f"pass a larger --window (at most {MAX_WINDOWS:,} windows are drawn), e.g. --window 1h",
         )
     slots: list[WindowStats | None] = [None] * count

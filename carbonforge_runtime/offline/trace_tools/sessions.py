@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from carbonforge_runtime.offline.trace_reader import (
     TraceInputError,
     byte_line_batches,
     check_readable,
+    loads_line,
     orjson,
 )
 
@@ -184,13 +186,20 @@ class _Problems:
 
 
 def _number(record: dict[str, Any], name: str, default: float = 0.0) -> float:
+    """A figure shown beside a session; missing, not a number, not finite or too large: ``default``."""
     value = record.get(name)
-    return float(value) if isinstance(value, int | float) else default
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return default
+    try:
+        number = float(value)
+    except OverflowError:
+        return default
+    return number if math.isfinite(number) else default
 
 
 def _records(path: Path, problems: _Problems | None) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) for every JSON object line; bad lines reported when ``problems`` is given."""
-    fast = orjson.loads if orjson is not None else json.loads
+    fast = orjson.loads if orjson is not None else loads_line
     lineno = 0
     for batch in byte_line_batches(path):
         for line in batch:
@@ -202,7 +211,7 @@ def _records(path: Path, problems: _Problems | None) -> Iterator[tuple[int, dict
                 if not text.strip():
                     continue
                 try:
-                    record = json.loads(text)
+                    record = loads_line(text)
                 except ValueError as exc:
                     if problems is not None:
                         problems.add(lineno, f"not valid JSON ({getattr(exc, 'msg', exc)})")
@@ -315,6 +324,9 @@ def reconstruct(path: Path) -> SessionsResult:
     except DamagedInput as exc:
         damage = f"{exc.reason}; records before the damage were used"
     if records == 0:
+        if damage:
+            raise TraceInputError(f"{path}: {damage}; no trace record before it",
+                                  "point the command at a JSONL trace file written by the runtime")
         if problems.bad:
             raise TraceInputError(f"{path}: no valid trace records ({problems.bad} bad lines skipped)",
                                   "point the command at a JSONL trace file written by the runtime")

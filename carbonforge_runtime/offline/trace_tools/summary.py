@@ -25,6 +25,7 @@ from carbonforge_runtime.offline.trace_reader import (
     byte_line_batches,
     check_readable,
     line_batches,
+    loads_line,
     orjson,
 )
 from carbonforge_runtime.offline.trace_tools.sketch import ALPHA, QuantileSketch
@@ -225,17 +226,25 @@ class _Cell:
         self.ttft = QuantileSketch()
 
 
+def _finite(value: float) -> bool:
+    """A finite number that a float can hold (an integer of 400 digits is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _row_problem(row: tuple[Any, ...]) -> str | None:
     """Why a buffered row is unusable (slow path, only for batches that failed the bulk checks)."""
     for name, value in zip(_NUMERIC_FIELDS, row[:6], strict=True):
         if type(value) not in (int, float):
             return f"{name} is {json.dumps(value)[:40]}, not a number"
-        if not math.isfinite(value):
-            return f"{name} is not finite"
+        if not _finite(value):
+            return f"{name} is not finite (or too large)"
         if name not in ("t_arrival", "t_completion") and value < 0:
             return f"{name} is negative ({value})"
     ttft = row[6]
-    if ttft is not None and (type(ttft) not in (int, float) or not math.isfinite(ttft) or ttft < 0):
+    if ttft is not None and (type(ttft) not in (int, float) or not _finite(ttft) or ttft < 0):
         return f"ttft_s is {json.dumps(ttft)[:40]}, not null or a non-negative number"
     return None
 
@@ -257,7 +266,7 @@ def _bulk_ok(columns: Sequence[Sequence[Any]]) -> bool:
                 return False
             if index >= 2 and column and min(column) < 0:
                 return False
-    except TypeError:
+    except (TypeError, OverflowError):
         return False
     return True
 
@@ -275,7 +284,10 @@ class Summarizer:
         raw_decode = json.JSONDecoder().raw_decode
 
         def std_loads(line: bytes | str) -> Any:
-            record, end = raw_decode(line)  # type: ignore[arg-type]
+            try:
+                record, end = raw_decode(line)  # type: ignore[arg-type]
+            except RecursionError:
+                raise ValueError("nested too deeply") from None
             if end != len(line) and line[end:].strip():
                 raise ValueError("extra text")
             return record
@@ -342,7 +354,7 @@ class Summarizer:
         if not text.strip():
             return _BLANK
         try:
-            return json.loads(text)
+            return loads_line(text)
         except ValueError as exc:
             message = getattr(exc, "msg", str(exc))
             if message == "Extra data":
@@ -393,6 +405,9 @@ class Summarizer:
                         continue
                     except (TypeError, AttributeError):
                         self._bad(report, lineno, _shape_problem(record))
+                        continue
+                    except OverflowError:
+                        self._bad(report, lineno, "t_arrival is too large to be a time")
                         continue
                     if slot is None or slot[0] != window:
                         if not isfinite(window):

@@ -458,7 +458,7 @@ def storage_checks(facts: DoctorFacts) -> list[Check]:
     if facts.hf_cache is not None:
         cache = facts.hf_cache
         source = f" (from {facts.hf_cache_source})" if facts.hf_cache_source not in ("", "default") else ""
-        remedy = ("mount a writable volume there (e.g. -v hf-cache:/root/.cache/huggingface) or set "
+        remedy = ("mount a writable volume there (e.g. -v hf-cache:/var/cache/huggingface) or set "
                   "HUGGINGFACE_HUB_CACHE to a writable directory")
         if cache.writable:
             checks.append(_directory(STORAGE, "storage.hf_cache", f"Hugging Face cache{source}", cache, OK, ""))

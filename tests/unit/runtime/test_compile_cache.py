@@ -113,7 +113,7 @@ MOUNTINFO = f"""\
 812 700 0:77 / / rw,relatime master:1 - overlay overlay rw,lowerdir=/var/lib/docker/overlay2/l/A,upperdir=/u
 813 812 0:80 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
 820 812 259:2 /var/lib/docker/volumes/carbonforge-compile/_data /var/cache/carbonforge rw - ext4 /dev/nvme0n1p2 rw
-821 812 259:2 /var/lib/docker/volumes/{ANONYMOUS_ID}/_data /root/.cache/huggingface rw - ext4 /dev/nvme0n1p2 rw
+821 812 259:2 /var/lib/docker/volumes/{ANONYMOUS_ID}/_data /var/cache/huggingface rw - ext4 /dev/nvme0n1p2 rw
 822 812 0:90 / /tmp rw,nosuid - tmpfs tmpfs rw,size=65536k
 823 812 259:2 /srv/my\\040models /models rw - ext4 /dev/nvme0n1p2 rw
 824 823 259:2 /srv/other /models rw - xfs /dev/sdb1 rw
@@ -143,8 +143,8 @@ def test_the_deepest_mount_holds_a_path_and_the_last_of_an_overmount_wins() -> N
 
 @pytest.mark.parametrize(("path", "kind"), [
     ("/var/cache/carbonforge", VOLUME),
-    ("/root/.cache/carbonforge/compile", ROOT_LAYER),
-    ("/root/.cache/huggingface/x", ANONYMOUS),
+    ("/home/carbonforge/.cache/carbonforge/compile", ROOT_LAYER),
+    ("/var/cache/huggingface/x", ANONYMOUS),
     ("/tmp/cache", MEMORY),
     ("/k8s/cache", EMPTY_DIR),
     ("/models", VOLUME),

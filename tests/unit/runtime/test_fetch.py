@@ -90,7 +90,7 @@ def test_fetch_fills_the_hub_layout_with_what_the_engine_reads(hub: HubDouble, r
     last = done.stdout.strip().splitlines()[-1].strip()
     assert last.startswith("docker run ")
     assert f"-e CF_CONTEXT_KEY={FETCH_KEY} -e HF_HUB_OFFLINE=1" in last
-    assert f"-v {cache}:/root/.cache/huggingface/hub" in last and "--gpus" not in last  # a cpu key
+    assert f"-v {cache}:/var/cache/huggingface/hub" in last and "--gpus" not in last  # a cpu key
 
     hub.clear()
     again = run_runtime(["fetch", FETCH_KEY], _env(hub, recipes, tmp_path))
@@ -121,7 +121,7 @@ def test_fetch_to_a_directory_to_carry_over(hub: HubDouble, recipes: Path, tmp_p
     assert (snapshot_dir(target, FETCH_REPO, _commit(hub)) / "model.safetensors").is_file()
     assert not (tmp_path / "hf" / "hub" / "models--carbonforge-test--tiny-fetch").exists()
     last = done.stdout.strip().splitlines()[-1]
-    assert (f"-v {target}:/root/.cache/huggingface/hub -e HUGGINGFACE_HUB_CACHE=/root/.cache/huggingface/hub"
+    assert (f"-v {target}:/var/cache/huggingface/hub -e HUGGINGFACE_HUB_CACHE=/var/cache/huggingface/hub"
             in last)
     local = f"HF_HUB_OFFLINE=1 HUGGINGFACE_HUB_CACHE={target} carbonforge-runtime --context-key {FETCH_KEY}"
     assert local in done.stdout

@@ -131,10 +131,10 @@ def test_targets_and_the_docker_run_line(tmp_path: Path) -> None:
     assert (target.repo, target.revision) == ("carbonforge-test/tiny-fetch", "v1")
     line = docker_run_line(target, Path("/data/hub"), "HF_HOME")
     assert "--gpus" not in line and "-e CF_CONTEXT_KEY=cf-tiny-fetch:bf16:chat:cpu -e HF_HUB_OFFLINE=1" in line
-    assert line.endswith("-v /data/hub:/root/.cache/huggingface/hub -v carbonforge-logs:/var/log/carbonforge "
+    assert line.endswith("-v /data/hub:/var/cache/huggingface/hub -v carbonforge-logs:/var/log/carbonforge "
                          "-v carbonforge-compile:/var/cache/carbonforge carbonforge-runtime")
     # Fetched in the image itself: the image's volume.
-    assert mount_args(Path("/root/.cache/huggingface/hub"), "HF_HOME") == ["-v", "hf-cache:/root/.cache/huggingface"]
+    assert mount_args(Path("/var/cache/huggingface/hub"), "HF_HOME") == ["-v", "hf-cache:/var/cache/huggingface"]
     gpu = resolve("qwen3-100b:fp8:chat:h100x2", load_recipes(recipe_dirs(None)))
     gpu_line = docker_run_line(FetchTarget(gpu.model.repo, gpu.model.revision, gpu), Path("/d"), "--to")
     assert "--gpus all --shm-size 16g" in gpu_line and "-e CARBONFORGE_LICENSE_KEY " in gpu_line

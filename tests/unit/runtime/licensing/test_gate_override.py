@@ -121,7 +121,7 @@ def test_config_file_model_is_read(tmp_path: Path) -> None:
     PREMIUM, PREMIUM.lower(), PREMIUM.upper(), f"  {PREMIUM} ", f"{PREMIUM}/", f"{PREMIUM}//",
     f"https://huggingface.co/{PREMIUM}", f"hf.co/{PREMIUM}", "mirror-org/Qwen3-Coder-Next-FP8",
     "/models/Qwen3-Coder-Next-FP8", "/models/Qwen/Qwen3-Coder-Next-FP8/", "./Qwen3-Coder-Next-FP8",
-    "/root/.cache/huggingface/hub/models--Qwen--Qwen3-Coder-Next-FP8/snapshots/0123abcd",
+    "/var/cache/huggingface/hub/models--Qwen--Qwen3-Coder-Next-FP8/snapshots/0123abcd",
 ])
 def test_spellings_of_a_premium_model_are_premium(spelling: str, recipes: dict[str, Recipe]) -> None:
     assert [r.key_text for r in premium_owners(spelling, recipes)] == [PREMIUM_KEY]
@@ -179,7 +179,7 @@ def test_gate_lets_free_models_through_without_a_licence(recipes: dict[str, Reci
     [f" {PREMIUM}/ ", "--dtype", "bfloat16"],
     ["--dtype", "bfloat16", "--model=" + f"https://huggingface.co/{PREMIUM}"],
     ["--model", PREMIUM, "--model", PREMIUM + "/"],
-    ["--model", "/root/.cache/huggingface/hub/models--Qwen--Qwen3-Coder-Next-FP8/snapshots/ab12"],
+    ["--model", "/var/cache/huggingface/hub/models--Qwen--Qwen3-Coder-Next-FP8/snapshots/ab12"],
 ])
 def test_gate_refuses_premium_models_without_a_licence(args: list[str], recipes: dict[str, Recipe]) -> None:
     with pytest.raises(LicenseInvalid) as info:

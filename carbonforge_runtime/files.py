@@ -1,0 +1,100 @@
+"""Opening the files the runtime and the engine write in directories others may also write to (the
+log directory, the trace file's directory, the cache): never through a symbolic link.
+
+A link planted where one of our files belongs (``vllm.log``, ``runtime.log``, a trace file) would
+make us append to, chmod or truncate whatever it points at. So every such file is opened with
+``O_NOFOLLOW`` and checked to be a regular file, and a directory is probed with a uniquely named
+file created with ``O_EXCL`` (which never follows a link either) instead of a fixed name.
+Only the last component of a path is guarded: the directories on the way are the operator's choice.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+
+from carbonforge_runtime.errors import CarbonForgeError
+
+_LINK_REMEDY = ("remove the symbolic link (files are never written through one) and start again, or give the "
+                "real path of the file instead of a link to it")
+
+
+class SymlinkRefused(OSError):
+    """``path`` is a symbolic link: it was neither followed nor touched."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(errno.ELOOP, "is a symbolic link, not followed", os.fspath(path))
+        self.path = os.fspath(path)
+        self.message = f"{self.path} is a symbolic link; it was not followed and its target was left untouched"
+        self.remedy = _LINK_REMEDY
+
+    def __str__(self) -> str:
+        return self.message
+
+    def as_error(self) -> CarbonForgeError:
+        """The operator's error: what was found, and the fix."""
+        return CarbonForgeError(self.message, self.remedy)
+
+
+class NotRegularFile(OSError):
+    """``path`` is a directory, a FIFO, a device or a socket, not a file to append to."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(errno.EINVAL, "is not a regular file", os.fspath(path))
+        self.path = os.fspath(path)
+
+    def __str__(self) -> str:
+        return f"{self.path} is not a regular file"
+
+
+def open_append(path: str | os.PathLike[str], mode: int) -> int:
+    """An ``O_APPEND`` write descriptor on the regular file ``path``, created with ``mode`` if it is
+    missing. Raises :class:`SymlinkRefused` for a link (never followed), :class:`NotRegularFile` for
+    anything but a regular file (a FIFO is refused at once rather than blocking), else ``OSError``."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        found = None
+    if found is not None and stat.S_ISLNK(found.st_mode):
+        raise SymlinkRefused(path)
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise NotRegularFile(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link put there since the lstat above
+            raise SymlinkRefused(path) from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a directory
+            raise NotRegularFile(path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(path)
+        os.set_blocking(fd, True)  # O_NONBLOCK was only for the open; nothing inherits it
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def probe_writable(directory: str | os.PathLike[str]) -> None:
+    """Create ``directory`` (and its parents) if needed and prove that a file can be created in it.
+
+    The probe is a new file with a unique name, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and
+    removed at once: nothing that already exists there, a planted link included, is opened or
+    changed. Raises ``OSError``."""
+    os.makedirs(directory, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        probe = os.path.join(directory, f".cf-write-probe-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(probe, flags, 0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        os.unlink(probe)
+        return
+    raise FileExistsError(errno.EEXIST, "no unused name for a write probe", os.fspath(directory))
