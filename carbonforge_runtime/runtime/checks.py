@@ -33,7 +33,7 @@ from carbonforge_runtime.runtime.doctor import (
     run_checks,
 )
 from carbonforge_runtime.runtime.doctor.report import REMEDY_PREFIX, check_line
-from carbonforge_runtime.runtime.launch_plan import ENGINE_MODULE
+from carbonforge_runtime.runtime.launch_plan import engine_args
 from carbonforge_runtime.runtime.licensing.core import format_time
 from carbonforge_runtime.runtime.licensing.gate import gate_draft_models, gate_override, gate_recipe
 from carbonforge_runtime.runtime.plan import ServeOptions, ServePlan
@@ -101,9 +101,7 @@ def check_licence(plan: ServePlan, recipes: Mapping[str, Recipe], settings: Sett
     if plan.recipe is not None:
         claims = gate_recipe(plan.recipe, settings, now=now)
         # A draft model named in the recipe's or the extra flags is served too: gated like a model.
-        argv = plan.launch.argv
-        engine_args = argv[argv.index(ENGINE_MODULE) + 1:] if ENGINE_MODULE in argv else argv
-        return claims or gate_draft_models(engine_args, recipes, settings, now=now)
+        return claims or gate_draft_models(engine_args(plan.launch.argv), recipes, settings, now=now)
     assert plan.override_model is not None
     return gate_override(plan.override_model, plan.override_args, recipes, settings, now=now)
 

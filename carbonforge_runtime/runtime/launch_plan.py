@@ -12,6 +12,7 @@ from carbonforge_runtime.core.contract import SCHEDULER_CLS, EngineContract, Ord
 from carbonforge_runtime.core.redaction import redact_args, secrets_to_env
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes.model import VLLM_KNOBS, ApiSpec, Recipe
+from carbonforge_runtime.runtime.group import WORKER_MODULE, Group
 from carbonforge_runtime.settings import Settings, VarName
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
@@ -58,6 +59,13 @@ class LaunchPlan:
     contract: EngineContract | None = None
     #: What the request-contract middleware in the API server enforces (in the plan's ``env``).
     api: ApiContract = field(default_factory=ApiContract)
+    #: This host's place in a multi-host group; None when it serves alone.
+    group: Group | None = None
+
+    @property
+    def serves_api(self) -> bool:
+        """False for a headless worker of a group: it runs no API server, so nothing answers /health."""
+        return self.group is None or self.group.leader
 
     def engine_env(self, contract: EngineContract | None = None) -> dict[str, str]:
         """The engine's environment: the plan's, plus ``contract`` (the plan's own by default, or the
@@ -153,6 +161,16 @@ def _knob_from_flag(flag: str) -> tuple[str, bool | None] | None:
 
 def engine_prefix() -> list[str]:
     return [sys.executable, "-m", ENGINE_MODULE]
+
+
+def engine_args(argv: Sequence[str]) -> list[str]:
+    """The vLLM arguments of a launch command: what follows the API server module (a leader or a host
+    alone) or ``vllm.entrypoints.cli.main serve`` (a headless worker)."""
+    for module in (ENGINE_MODULE, WORKER_MODULE):
+        if module in argv:
+            at = list(argv).index(module) + 1
+            return list(argv[at + 1:] if module == WORKER_MODULE and argv[at:at + 1] == ["serve"] else argv[at:])
+    return list(argv)
 
 
 SCHEDULER_FLAG = "--scheduler-cls"

@@ -22,6 +22,14 @@ from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, resolve
 from carbonforge_runtime.runtime.compile_cache import CompileCacheEnv, engine_cache_env, resolve_root
 from carbonforge_runtime.runtime.engine_env import engine_environment, parse_pass_list, withheld_names
+from carbonforge_runtime.runtime.group import (
+    Group,
+    GroupFlags,
+    check_no_group_flags,
+    check_recipe_fits,
+    place_command,
+    resolve_group,
+)
 from carbonforge_runtime.runtime.launch_plan import (
     AUTO_TOOL_FLAG,
     ENGINE_MODULE,
@@ -30,6 +38,7 @@ from carbonforge_runtime.runtime.launch_plan import (
     LaunchPlan,
     build_override_plan,
     build_recipe_plan,
+    engine_args,
     flags_in,
     user_scheduler_cls,
 )
@@ -61,7 +70,15 @@ class ServeOptions:
     dry_run: bool = False
     #: Do not run the pre-flight checks, so that a failing one cannot stop the launch.
     skip_preflight: bool = False
+    #: This host's place in a multi-host group (else CF_NNODES, CF_NODE_RANK, ... or LWS_*).
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
     vllm_args: list[str] = field(default_factory=list)
+
+    def group_flags(self) -> GroupFlags:
+        return GroupFlags(self.nnodes, self.node_rank, self.master_addr, self.master_port)
 
 
 @dataclass(frozen=True)
@@ -122,7 +139,7 @@ def _privacy(launch: LaunchPlan, model: str, weights_present: str | None, enviro
              messages: list[Message]) -> PrivacyEnv:
     """Put the no-reporting and offline switches into the engine's environment; say what changed."""
     privacy = engine_privacy_env(launch.env, model, weights_present, operator=environ,
-                                 args=launch.argv[launch.argv.index(ENGINE_MODULE) + 1:])
+                                 args=engine_args(launch.argv))
     launch.env.update(privacy.env)
     messages += [Message("warning", line) for line in privacy.warnings]
     messages += [Message("info", line) for line in privacy.notes]
@@ -148,6 +165,8 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     then serves offline (:mod:`~carbonforge_runtime.runtime.privacy`). ``api_key`` is the key clients
     must send (CF_API_KEY or the file CF_API_KEY_FILE, read by the caller)."""
     messages: list[Message] = []
+    group = resolve_group(settings, options.group_flags())
+    check_no_group_flags([*settings.vllm_extra_args, *options.vllm_args])
     trace = _trace_config(options, environ, cwd, messages)
     # The engine sees only the variables a serving engine reads (and those the operator adds), never
     # what only the runtime may read.
@@ -157,16 +176,19 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
         base_env[ENGINE_KEY_VARIABLE] = api_key
     if options.context_key:
         recipe = resolve(options.context_key, recipes)
+        check_recipe_fits(recipe, group)
+        check_no_group_flags(recipe.extra_args)
         model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
         extra = [*recipe.extra_args, *settings.vllm_extra_args, *options.vllm_args]
         _check_scheduler(recipe.scheduler.family, recipe.scheduler.params, extra, trace)
         launch = build_recipe_plan(recipe, settings, options.vllm_args, model_path=model_path, base_env=base_env,
                                    trace=trace)
         # Extra flags (after -- or CF_VLLM_EXTRA_ARGS) must not swap the recipe's model for another.
-        check_recipe_args(recipe, launch.model, launch.argv[launch.argv.index(ENGINE_MODULE) + 1:])
+        check_recipe_args(recipe, launch.model, engine_args(launch.argv))
         messages += [Message("warning", line) for line in launch.departures]
         messages += [Message("info", line) for line in launch.notes]
         present = BUILTIN_WEIGHTS if recipe.model.builtin else weights_present
+        _place(launch, group, messages)
         privacy = _privacy(launch, recipe.model.repo, present, environ, messages)
         cache = _compile_cache(launch, settings, environ, messages)
         _api_access(launch, messages)
@@ -184,10 +206,23 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     _check_scheduler("fcfs", {}, options.vllm_args, trace)
     launch = build_override_plan(options.vllm_args, settings, model, base_env=base_env, trace=trace)
     messages += [Message("info", line) for line in launch.notes]
+    _place(launch, group, messages)
     privacy = _privacy(launch, model, weights_present, environ, messages)
     cache = _compile_cache(launch, settings, environ, messages)
     _api_access(launch, messages)
     return ServePlan(launch, trace, model, list(options.vllm_args), messages, privacy, cache)
+
+
+def _place(launch: LaunchPlan, group: Group | None, messages: list[Message]) -> None:
+    """Put the command in this host's place in its group (nothing to do for a host alone)."""
+    if group is None:
+        return
+    launch.group = group
+    launch.argv = place_command(launch.argv, ENGINE_MODULE, group)
+    messages.append(Message("info", f"group: {group.describe()}"))
+    if not group.leader:
+        messages.append(Message("info", "group: a worker runs vLLM headless (no API server); the leader "
+                                        f"{group.master_addr} serves the API"))
 
 
 def api_keys_required(launch: LaunchPlan) -> bool:
@@ -196,7 +231,7 @@ def api_keys_required(launch: LaunchPlan) -> bool:
 
 def _api_access(launch: LaunchPlan, messages: list[Message]) -> None:
     """One warning when the API takes requests without a key."""
-    if not api_keys_required(launch):
+    if launch.serves_api and not api_keys_required(launch):
         messages.append(Message("warning", f"the API on port {launch.port} takes requests from anyone who can "
                                            "reach it: set CF_API_KEY (or CF_API_KEY_FILE) to require a key"))
 
@@ -285,8 +320,15 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
     else:
         out.append(f"model:              {launch.model}")
     out.append(f"served model name:  {launch.served_model_name}")
-    out.append(f"API:                http://{launch.host}:{launch.port}/v1")
-    out += describe_api(launch)
+    if recipe and recipe.hosts:
+        out.append(f"hosts:              {recipe.hosts.describe(recipe.vllm)}")
+    if launch.group is not None:
+        out.append(f"group:              {launch.group.describe()}")
+    if launch.serves_api:
+        out.append(f"API:                http://{launch.host}:{launch.port}/v1")
+        out += describe_api(launch)
+    else:
+        out.append("API:                none on a worker (headless); clients use the leader's")
     out.append(f"drain time:         {launch.drain_timeout_s:g} s  (stop timeout: at least "
                f"{stop_timeout_s(launch.drain_timeout_s)} s, e.g. docker run --stop-timeout)")
     if launch.knobs:

@@ -242,7 +242,8 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
             "make the log directory writable (the /var/log/carbonforge volume, or CF_LOG_DIR)",
         ) from None
     _create_trace_file(prepared.trace)
-    _record_serve_address(log_dir, plan.host, plan.port)
+    if plan.serves_api:  # a headless worker serves no API for the healthcheck to probe
+        _record_serve_address(log_dir, plan.host, plan.port)
     if plan.recipe and plan.recipe.model.builtin:
         from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
 
@@ -272,7 +273,8 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     try:
         report = supervisor.supervise(
             engine,
-            ready_url=f"http://{ready_host}:{plan.port}/health",
+            # A headless worker of a group has no API: nothing to wait for, it serves through the leader.
+            ready_url=f"http://{ready_host}:{plan.port}/health" if plan.serves_api else None,
             api_port=plan.port,
             download_folder=repo_cache_folder(plan.model, hub_cache_dir(engine_env)[0]),
             ready_timeout_s=settings.ready_timeout_s,

@@ -337,7 +337,7 @@ class StopFlag:
 
 def supervise(
     engine: EngineProcess,
-    ready_url: str,
+    ready_url: str | None,
     ready_timeout_s: float,
     drain_timeout_s: float,
     log: logging.Logger,
@@ -350,6 +350,8 @@ def supervise(
 
     With ``api_port``, readiness also needs the socket listening on that port to belong to the
     engine's process group: a ``/health`` answer from another server is not our engine being ready.
+    Without ``ready_url`` (a headless worker of a group, which runs no API server) the engine is
+    supervised from its start, with no readiness to wait for.
     Until ready, the engine's log (and ``download_folder``, the served repository's folder in the
     Hugging Face cache, for downloads) tells which start-up phase it is in."""
     if stop.set:  # the signal came while the launch was being prepared: start nothing
@@ -363,7 +365,9 @@ def supervise(
     started = time.monotonic()
     engine.start()
     last_progress = started
-    ready = False
+    ready = ready_url is None
+    if ready:
+        log.info("vLLM started headless (a worker of the group): it serves through the leader's API")
     phases = StartupPhases(started)
     follower = LogFollower(engine.log_path, log_offset)
     try:
@@ -409,7 +413,7 @@ def supervise(
                 clean = code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
                 return ExitReport("stopped", code, 0 if clean else 1)
             now = time.monotonic()
-            if not ready:
+            if not ready and ready_url is not None:
                 _follow(phases, follower, download_folder, now)
                 if http_ok(ready_url):
                     problem = _port_problem(engine, ready_url, api_port)

@@ -19,6 +19,15 @@ TINY_KEY = "cf-tiny:bf16:chat:cpu"
 TINY_SERVED_NAME = "carbonforge/tiny-chat"
 
 
+def group_env(recipe: object) -> dict[str, str]:
+    """The variables that make this host the leader of a group sized for ``recipe`` (empty for a
+    single-host recipe), so that a test can plan every shipped recipe."""
+    split = getattr(recipe, "hosts", None)
+    if split is None:
+        return {}
+    return {"CF_NNODES": str(split.nodes), "CF_NODE_RANK": "0", "CF_MASTER_ADDR": "10.0.0.1"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

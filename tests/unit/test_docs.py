@@ -204,7 +204,7 @@ def test_trace_field_meanings_cover_exactly_the_written_fields() -> None:
     assert all(meaning.strip() for meaning in tr.FIELD_MEANINGS.values())
 
 
-_CHECK_NAME = re.compile(r"license|(?:host|gpu|recipe|tracing|storage|engine)(?:\.[A-Za-z0-9_{}]+)+")
+_CHECK_NAME = re.compile(r"license|(?:host|gpu|recipe|tracing|storage|engine|group)(?:\.[A-Za-z0-9_{}]+)+")
 
 
 def _check_names_in_source() -> dict[str, str | None]:

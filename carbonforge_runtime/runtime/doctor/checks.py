@@ -37,6 +37,7 @@ from carbonforge_runtime.runtime.doctor.model import (
     ENGINE,
     FAIL,
     GPU,
+    GROUP,
     HOST,
     LICENSE,
     OK,
@@ -698,9 +699,30 @@ def privacy_checks(facts: DoctorFacts) -> list[Check]:
 
 # --- all ----------------------------------------------------------------------------------------
 
+def group_checks(facts: DoctorFacts) -> list[Check]:
+    """This host's place in a multi-host group and, on a worker, whether the leader can be reached."""
+    group = facts.group
+    if group is None:
+        return []
+    if group.problem:
+        return [Check(GROUP, "group.role", FAIL, group.problem, group.remedy)]
+    checks = [Check(GROUP, "group.role", OK, group.role)]
+    if group.reach == "open":
+        checks.append(Check(GROUP, "group.leader", OK, f"the leader {group.leader} accepts connections"))
+    elif group.reach == "refused":
+        checks.append(Check(GROUP, "group.leader", OK, f"the leader's host answers; nothing listens on "
+                                                       f"{group.leader} yet (its vLLM opens the port when it starts)"))
+    elif group.reach:
+        checks.append(Check(GROUP, "group.leader", WARN, f"the leader {group.leader} cannot be reached: "
+                                                         f"{group.reach_detail or 'no route'}",
+                            "check CF_MASTER_ADDR (or LWS_LEADER_ADDRESS) and that the network lets this host open "
+                            "TCP connections to the leader on that port (firewall, Kubernetes NetworkPolicy)"))
+    return checks
+
+
 SECTION_RULES: tuple[Callable[[DoctorFacts], list[Check]], ...] = (
     host_checks, gpu_checks, recipe_checks, license_checks, tracing_checks, storage_checks, engine_checks,
-    privacy_checks,
+    privacy_checks, group_checks,
 )
 
 
@@ -792,4 +814,9 @@ CHECKS: tuple[CheckInfo, ...] = (
     CheckInfo("engine.telemetry", ENGINE, "vLLM's usage-statistics switches in the environment",
               "`VLLM_NO_USAGE_STATS`, `VLLM_DO_NOT_TRACK` or `DO_NOT_TRACK` asks for reporting, e.g. `=0`; the "
               "runtime overrides it to `1` for the engine (WARN)"),
+    CheckInfo("group.role", GROUP, "this host's place in a multi-host group (leader or worker, rank, leader address), "
+              "from `CF_NNODES`, `CF_NODE_RANK`, `CF_MASTER_ADDR` or LeaderWorkerSet's `LWS_*` variables",
+              "the variables do not add up: a rank outside the group, no leader address (FAIL)"),
+    CheckInfo("group.leader", GROUP, "on a worker, a TCP connection to the leader's `CF_MASTER_PORT`",
+              "the leader cannot be reached: no route, a name that does not resolve, a firewall (WARN)"),
 )

@@ -33,6 +33,7 @@ from carbonforge_runtime.runtime.compile_cache import (
     parse_mountinfo,
     resolve_root,
 )
+from carbonforge_runtime.runtime.group import GROUP_VARIABLES, resolve_group
 from carbonforge_runtime.runtime.hf_cache import (
     find_hub_snapshot,
     hub_cache_dir,
@@ -202,6 +203,21 @@ class PortFacts:
 
 
 @dataclass(frozen=True)
+class GroupFacts:
+    """This host's place in a multi-host group (:mod:`~carbonforge_runtime.runtime.group`), and for a
+    worker whether the leader can be reached. ``problem`` is set when the group variables do not add up."""
+
+    role: str = ""
+    problem: str = ""
+    remedy: str = ""
+    #: ``host:port`` where the group meets on the leader (workers only).
+    leader: str = ""
+    #: "open" (something listens), "refused" (the host answers, nothing listens yet) or "unreachable".
+    reach: str = ""
+    reach_detail: str = ""
+
+
+@dataclass(frozen=True)
 class DoctorFacts:
     """Everything the checks look at. ``None`` means "not collected": that check is skipped."""
 
@@ -230,9 +246,13 @@ class DoctorFacts:
     #: The reporting and hub switches set in the runtime's environment, as (name, value); None when
     #: not collected (the pre-flight leaves them to the launch, which logs what it overrides).
     privacy_env: tuple[tuple[str, str], ...] | None = None
+    group: GroupFacts | None = None
 
 
 # --- probes: the I/O ----------------------------------------------------------------------------
+
+#: How long the doctor waits for the group's leader to accept a TCP connection.
+LEADER_PROBE_TIMEOUT_S = 3.0
 
 
 class Probes(Protocol):
@@ -259,6 +279,8 @@ class Probes(Protocol):
     def port(self, purpose: str, host: str, port: int, setting: str) -> PortFacts: ...
 
     def mount(self, path: str) -> MountFacts: ...
+
+    def leader(self, host: str, port: int) -> tuple[str, str]: ...
 
 
 def _meminfo_total_bytes() -> int | None:
@@ -393,6 +415,20 @@ class SystemProbes:
             return PortFacts(purpose, bind_host, port, False, problem, setting)
         return PortFacts(purpose, bind_host, port, True, "", setting)
 
+
+    def leader(self, host: str, port: int) -> tuple[str, str]:
+        """Can a TCP connection reach the leader? ("open" | "refused" | "unreachable", detail)."""
+        try:
+            with socket.create_connection((host, port), timeout=LEADER_PROBE_TIMEOUT_S):
+                return "open", ""
+        except ConnectionRefusedError:
+            return "refused", ""
+        except socket.gaierror as exc:
+            return "unreachable", f"the name does not resolve ({exc.strerror or exc})"
+        except TimeoutError:
+            return "unreachable", f"no answer within {LEADER_PROBE_TIMEOUT_S:g} s"
+        except OSError as exc:
+            return "unreachable", exc.strerror or str(exc)
 
     def mount(self, path: str) -> MountFacts:
         try:
@@ -653,7 +689,26 @@ def collect_facts(
         ports=tuple(ports),
         privacy_env=None if preflight else tuple((name, environ[name]) for name in WATCHED_VARIABLES
                                                  if environ.get(name)),
+        group=group_facts(settings, probes),
     )
+
+
+def group_facts(settings: Settings, probes: Probes) -> GroupFacts | None:
+    """The host's place when any group variable is set (else None: it serves alone)."""
+    if not any(settings.is_set(name) for name in GROUP_VARIABLES):
+        return None
+    try:
+        group = resolve_group(settings)
+    except CarbonForgeError as exc:
+        return GroupFacts(problem=exc.message, remedy=exc.remedy)
+    if group is None:
+        return GroupFacts(role="serves alone (a group of one host)")
+    if group.leader:
+        return GroupFacts(role=group.describe())
+    reach, detail = _guarded(lambda: probes.leader(group.master_addr, group.master_port),
+                             lambda exc: ("unreachable", _unexpected(exc)))
+    return GroupFacts(group.describe(), leader=f"{group.master_addr}:{group.master_port}", reach=reach,
+                      reach_detail=detail)
 
 
 __all__ = [
@@ -663,6 +718,7 @@ __all__ = [
     "DoctorFacts",
     "DoctorRequest",
     "EngineFacts",
+    "GroupFacts",
     "LicenseFacts",
     "MountFacts",
     "OtelFacts",

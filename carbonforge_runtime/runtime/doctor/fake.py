@@ -59,6 +59,8 @@ class FixedProbes:
     #: Where every directory asked about is mounted; None: in a container, on a named Docker volume
     #: mounted at that directory.
     mount_facts: MountFacts | None = None
+    #: What a TCP connection to the group's leader finds: ("open" | "refused" | "unreachable", detail).
+    leader_reach: tuple[str, str] = ("open", "")
 
     def runtime(self) -> RuntimeFacts:
         return self.runtime_facts
@@ -98,6 +100,9 @@ class FixedProbes:
         if port in self.busy_ports:
             return PortFacts(purpose, host, port, False, self.busy_ports[port], setting)
         return PortFacts(purpose, host, port, True, "", setting)
+
+    def leader(self, host: str, port: int) -> tuple[str, str]:
+        return self.leader_reach
 
     def mount(self, path: str) -> MountFacts:
         if self.mount_facts is not None:

@@ -15,8 +15,9 @@ LICENSE = "License"
 TRACING = "Tracing"
 STORAGE = "Storage"
 ENGINE = "Engine"
+GROUP = "Group"
 #: Report order.
-SECTIONS = (HOST, GPU, RECIPE, LICENSE, TRACING, STORAGE, ENGINE)
+SECTIONS = (HOST, GPU, RECIPE, LICENSE, TRACING, STORAGE, ENGINE, GROUP)
 
 
 @dataclass(frozen=True)

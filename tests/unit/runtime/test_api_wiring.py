@@ -15,6 +15,7 @@ from carbonforge_runtime.runtime.api_key import read_api_key
 from carbonforge_runtime.runtime.launch_plan import MIDDLEWARE, flags_in
 from carbonforge_runtime.runtime.plan import ServeOptions, build_plan, command_line, describe_plan
 from carbonforge_runtime.settings import load_settings
+from tests.support import group_env
 
 SHIPPED: dict[str, Recipe] = load_recipes(recipe_dirs(None))
 OPEN_WARNING = "takes requests from anyone who can reach it"
@@ -23,7 +24,7 @@ OPEN_WARNING = "takes requests from anyone who can reach it"
 def plan_for(key: str | None = None, vllm_args: list[str] | None = None, api_key: str | None = None,
              environ: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     options = ServeOptions(context_key=key, vllm_args=vllm_args or [])
-    environ = environ or {}
+    environ = environ or (group_env(SHIPPED[key]) if key in SHIPPED else {})
     return build_plan(options, load_settings(environ), SHIPPED, environ, api_key=api_key)
 
 

@@ -109,8 +109,9 @@ def test_command_for_each_shipped_recipe(key: str) -> None:
             assert flags[flag] == str(value)
     assert plan.departures == []
     if not recipe.key.hardware.is_cpu:
-        tp = recipe.vllm.get("tensor_parallel_size", 1) * recipe.vllm.get("data_parallel_size", 1)
-        assert tp == recipe.key.hardware.count
+        gpus = (recipe.vllm.get("tensor_parallel_size", 1) * recipe.vllm.get("pipeline_parallel_size", 1)
+                * recipe.vllm.get("data_parallel_size", 1))
+        assert gpus == recipe.key.hardware.count * recipe.key.hardware.hosts
 
 
 def test_override_plan_adds_served_name_and_port() -> None:

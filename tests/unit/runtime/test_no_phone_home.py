@@ -209,12 +209,20 @@ def test_serving_a_cached_hub_model_launches_it_offline(monkeypatch: pytest.Monk
 def test_a_single_host_engine_gets_the_loopback_address() -> None:
     """Without it, vLLM finds its address by a connect() towards 8.8.8.8 (no packet, but a public target)."""
     assert _plan_env(ServeOptions(context_key=TINY), {"CF_TINY_MODEL_DIR": "/t"})["VLLM_HOST_IP"] == "127.0.0.1"
-    assert _plan_env(ServeOptions(vllm_args=["/m", "--nnodes", "1"]), {})["VLLM_HOST_IP"] == "127.0.0.1"
     assert _plan_env(ServeOptions(vllm_args=["/m"]), {"VLLM_HOST_IP": "10.1.2.3"})["VLLM_HOST_IP"] == "10.1.2.3"
 
 
+@pytest.mark.parametrize("env", [{"CF_NNODES": "2", "CF_NODE_RANK": "0", "CF_MASTER_ADDR": "10.0.0.1"},
+                                 {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "10.0.0.1"}])
+def test_a_host_of_a_group_looks_its_address_up_itself(env: dict[str, str]) -> None:
+    options = ServeOptions(vllm_args=["/m"])
+    plan = build_plan(options, load_settings(env), SHIPPED, env)
+    assert "VLLM_HOST_IP" not in plan.launch.engine_env()
+    assert "engine environment: VLLM_HOST_IP unset  (not set: --nnodes 2 involves other hosts, so vLLM looks up " \
+           "its routable address)" in describe_plan(plan, options, env)
+
+
 @pytest.mark.parametrize("args, flag", [
-    (["--nnodes", "2"], "--nnodes 2"), (["--nnodes=2"], "--nnodes 2"), (["--headless"], "--headless"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray"),
     (["--data-parallel-address", "10.0.0.1"], "--data-parallel-address"),
     (["--kv-transfer-config", "{}"], "--kv-transfer-config"),

@@ -20,6 +20,7 @@ from carbonforge_runtime.runtime import supervisor
 from carbonforge_runtime.runtime.plan import ServeOptions, build_plan, command_line, describe_plan
 from carbonforge_runtime.runtime.serve import serve
 from carbonforge_runtime.settings import load_settings
+from tests.support import group_env
 
 SHIPPED: dict[str, Recipe] = load_recipes(recipe_dirs(None))
 
@@ -48,9 +49,9 @@ def no_io(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.mark.parametrize("key", sorted(SHIPPED))
 def test_every_shipped_recipe_plans_without_io(key: str, no_io: None) -> None:
-    settings = load_settings({"CF_TINY_MODEL_DIR": "/models/tiny"})
-    plan = build_plan(ServeOptions(context_key=key), settings, SHIPPED, {"PATH": "/usr/bin"})
     recipe = SHIPPED[key]
+    settings = load_settings({"CF_TINY_MODEL_DIR": "/models/tiny", **group_env(recipe)})
+    plan = build_plan(ServeOptions(context_key=key), settings, SHIPPED, {"PATH": "/usr/bin"})
     launch = plan.launch
     assert launch.recipe is recipe and launch.mode == "recipe"
     assert launch.argv[launch.argv.index("--served-model-name") + 1] == recipe.model.served_name

