@@ -3,10 +3,11 @@ Pure functions over the settings, the serve flags and the launch plan.
 
 vLLM's own multiprocessing launcher runs the group: every host starts vLLM with the same model and
 parallel sizes plus ``--nnodes N --node-rank I --master-addr LEADER --master-port P``. The leader
-(rank 0) runs the API server and the engine; the other ranks run ``vllm serve --headless`` (no API
-server). The runtime learns its place from CF_NNODES, CF_NODE_RANK, CF_MASTER_ADDR and CF_MASTER_PORT
-(or the serve flags of the same names), and from the variables LeaderWorkerSet sets in every pod
-(LWS_GROUP_SIZE, LWS_WORKER_INDEX, LWS_LEADER_ADDRESS), so one pod spec serves every rank.
+(rank 0) runs the API server and the engine; the other ranks run vLLM's serve command with
+``--headless`` (no API server). The runtime learns its place from CF_NNODES, CF_NODE_RANK,
+CF_MASTER_ADDR and CF_MASTER_PORT (or the serve flags of the same names), and from the variables
+LeaderWorkerSet sets in every pod (LWS_GROUP_SIZE, LWS_WORKER_INDEX, LWS_LEADER_ADDRESS), so one pod
+spec serves every rank.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes import Recipe
 from carbonforge_runtime.settings import Settings, VarName
 
-#: vLLM's CLI module: ``python -m vllm.entrypoints.cli.main serve`` is ``vllm serve`` (the CPU build
-#: of vLLM installs no ``vllm`` script), the only entry point that runs ``--headless``.
-WORKER_MODULE = "vllm.entrypoints.cli.main"
+#: What a worker runs: vLLM's ``serve`` subcommand (the only entry point that runs ``--headless``)
+#: through the engine package's entry, which works on the CPU build too (``engine/headless.py``).
+WORKER_MODULE = "carbonforge_runtime.engine.headless"
 HEADLESS_FLAG = "--headless"
 #: The flags that place a host in a group: the runtime writes them, so a command line must not.
 GROUP_FLAGS = ("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", HEADLESS_FLAG,
@@ -156,7 +157,8 @@ def check_no_group_flags(args: Sequence[str]) -> None:
 
 def place_command(argv: Sequence[str], engine_module: str, group: Group) -> list[str]:
     """The vLLM command ``argv`` (``python -m ENGINE_MODULE ...``) for this host's place: the leader's
-    gets the group flags; a worker's runs ``vllm serve --headless`` without the API server's flags."""
+    gets the group flags; a worker's runs vLLM's serve command (model first) with ``--headless`` and
+    without the API server's flags."""
     at = list(argv).index(engine_module)
     prefix, args = list(argv[:at]), list(argv[at + 1:])
     if group.leader:
@@ -177,4 +179,4 @@ def place_command(argv: Sequence[str], engine_module: str, group: Group) -> list
             drop_next = not inline
             continue
         kept.append(arg)
-    return [*prefix, WORKER_MODULE, "serve", *model, *kept, *group.vllm_flags()]
+    return [*prefix, WORKER_MODULE, *model, *kept, *group.vllm_flags()]

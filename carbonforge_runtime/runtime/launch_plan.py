@@ -165,11 +165,10 @@ def engine_prefix() -> list[str]:
 
 def engine_args(argv: Sequence[str]) -> list[str]:
     """The vLLM arguments of a launch command: what follows the API server module (a leader or a host
-    alone) or ``vllm.entrypoints.cli.main serve`` (a headless worker)."""
+    alone) or the headless worker's module."""
     for module in (ENGINE_MODULE, WORKER_MODULE):
         if module in argv:
-            at = list(argv).index(module) + 1
-            return list(argv[at + 1:] if module == WORKER_MODULE and argv[at:at + 1] == ["serve"] else argv[at:])
+            return list(argv[list(argv).index(module) + 1:])
     return list(argv)
 
 

@@ -89,7 +89,7 @@ def test_the_dry_run_of_a_worker_prints_a_headless_command(env: dict[str, str],
     code, out = dry_run({**env, "CARBONFORGE_LICENSE_KEY": ""}, capsys, context_key=MULTI_KEY)
     assert code == 4  # premium without a licence: the plan is printed, the launch would be refused
     command = out.split("vLLM command:", 1)[1]
-    assert "-m vllm.entrypoints.cli.main serve " in command
+    assert "-m carbonforge_runtime.engine.headless Qwen/Qwen3.6-27B-FP8 " in command
     assert f"{GROUP_FLAGS.format(rank=1)} --distributed-timeout-seconds 300 --headless" in command
     assert "--middleware" not in command  # the API server's alone
     assert "group:              worker, rank 1 of 2 hosts; leader 10.1.2.3:29501" in out
@@ -180,11 +180,10 @@ def test_vllms_parsers_read_the_leader_and_worker_commands() -> None:
 
     cli = FlexibleArgumentParser()
     ServeSubcommand().subparser_init(cli.add_subparsers(dest="command"))
-    worker = plan_for(CF_WORKER, vllm_args=["org/model", "--tensor-parallel-size", "2"])
-    at = worker.index("serve")
-    namespace = parse(cli, worker[at:])
+    worker = engine_args(plan_for(CF_WORKER, vllm_args=["org/model", "--tensor-parallel-size", "2"]))
+    namespace = parse(cli, ["serve", *worker])
     assert namespace.headless is True and (namespace.nnodes, namespace.node_rank) == (2, 1)
-    assert worker[at + 1] == "org/model"  # `vllm serve MODEL`: the model is positional there
+    assert worker[0] == "org/model"  # `vllm serve MODEL`: the model is positional there
     assert namespace.model_tag == "org/model" and namespace.master_port == 29501
 
 
