@@ -164,6 +164,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("CF_NODE_RANK", "This host's place in the group: 0 is the leader (API server), 1.. are workers", _index),
     Var("CF_MASTER_ADDR", "Address of the group's leader, reachable from every host", _text),
     Var("CF_MASTER_PORT", "Port on the leader where the hosts of a group meet (vLLM's --master-port)", _port, 29501),
+    Var("CF_GROUP_PORT", "Port on the leader where the runtimes of a group watch each other, so that the group "
+        "stops as one when a host is gone", _port, 29499),
     Var("CF_JOIN_TIMEOUT_S", "How long the hosts of a group wait for each other at start and for a collective "
         "operation (vLLM's --distributed-timeout-seconds)", _seconds, 300.0),
     Var("LWS_GROUP_SIZE", "Set by LeaderWorkerSet: hosts in the group (read when CF_NNODES is unset)",
@@ -184,7 +186,8 @@ VarName = Literal[
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
     "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "HF_TOKEN", "HF_HUB_OFFLINE",
     "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_COMPILE_CACHE_DIR", "CF_ENGINE_ENV_PASS",
-    "CF_NNODES", "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
+    "CF_NNODES", "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_JOIN_TIMEOUT_S",
+    "LWS_GROUP_SIZE",
     "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS",
 ]
 

@@ -20,6 +20,7 @@ from typing import Any
 from carbonforge_runtime.core.api_contract import (
     API_CONTRACT_VARIABLE,
     CHAT_PATH,
+    GROUP_DOWN_VARIABLE,
     ApiContract,
     ApiError,
     alias_reasoning_events,
@@ -183,6 +184,10 @@ def _with_length(scope: Scope, length: int) -> Scope:
     return {**scope, "headers": headers}
 
 
+HEALTH_PATH = "/health"
+_GROUP_DOWN = ApiError(503, "the serving group lost a host; this server is stopping", type="service_unavailable")
+
+
 class RequestContract:
     """``--middleware carbonforge_runtime.apiserver.request_contract.RequestContract``."""
 
@@ -190,12 +195,16 @@ class RequestContract:
         self.app = app
         self.contract = contract_from_environ()
         self.keys_checked = bool(os.environ.get("VLLM_API_KEY"))
+        self.group_down_file = os.environ.get(GROUP_DOWN_VARIABLE) or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        if path == HEALTH_PATH and self.group_down_file and os.path.exists(self.group_down_file):
+            await _respond(send, _GROUP_DOWN)
+            return
         guarded = self.keys_checked and is_guarded(path) and scope.get("method") != "OPTIONS"
         if scope.get("method") != "POST":
             await self.app(scope, receive, _Reshaped(send, _has_authorization(scope), None) if guarded else send)

@@ -27,6 +27,9 @@ from carbonforge_runtime.core.contract import ContractError
 API_CONTRACT_VERSION = 1
 #: The variable the API server process reads its contract from.
 API_CONTRACT_VARIABLE = "CF_API_CONFIG"
+#: Names a file the API server checks on ``/health``: once it exists (the leader of a multi-host group
+#: lost a host), ``/health`` answers 503, so that probes and load balancers stop sending at once.
+GROUP_DOWN_VARIABLE = "CF_GROUP_DOWN_FILE"
 EFFORTS = ("low", "medium", "xhigh")
 DEFAULT_EFFORT = "low"
 #: The effort that turns thinking off.

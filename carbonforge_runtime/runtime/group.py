@@ -54,6 +54,8 @@ class Group:
     join_timeout_s: float
     #: Where each value came from, for the dry run and the doctor.
     sources: tuple[str, ...] = ()
+    #: Port on the leader where the runtimes watch each other (:mod:`.group_watch`).
+    watch_port: int = 29499
 
     @property
     def leader(self) -> bool:
@@ -66,7 +68,7 @@ class Group:
     def describe(self) -> str:
         where = f" (from {', '.join(self.sources)})" if self.sources else ""
         return (f"{self.role}, rank {self.rank} of {self.nnodes} hosts; leader {self.master_addr}:{self.master_port}"
-                f"{where}")
+                f", watch port {self.watch_port}{where}")
 
     def vllm_flags(self) -> list[str]:
         """The flags that put vLLM in its place in the group."""
@@ -115,7 +117,8 @@ def resolve_group(settings: Settings, flags: GroupFlags | None = None) -> Group 
                          "--master-addr")
     sources = tuple(dict.fromkeys(s for s in (nnodes_from, rank_from, addr_from, port_from) if s))
     meet = int(str(port if port is not None else settings.value("CF_MASTER_PORT")))
-    return Group(size, place, str(addr).strip(), meet, float(settings.value("CF_JOIN_TIMEOUT_S")), sources)
+    return Group(size, place, str(addr).strip(), meet, float(settings.value("CF_JOIN_TIMEOUT_S")), sources,
+                 int(settings.value("CF_GROUP_PORT")))
 
 
 def check_recipe_fits(recipe: Recipe | None, group: Group | None) -> None:

@@ -11,7 +11,9 @@ Each step calls only the steps below it. The CLI calls :func:`serve`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import stat
 import time
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from carbonforge_runtime import files
 from carbonforge_runtime import log as cflog
+from carbonforge_runtime.core.api_contract import GROUP_DOWN_VARIABLE
 from carbonforge_runtime.core.contract import TraceConfig
 from carbonforge_runtime.errors import CarbonForgeError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
@@ -30,6 +33,7 @@ from carbonforge_runtime.runtime import serve_address
 from carbonforge_runtime.runtime.api_key import read_api_key
 from carbonforge_runtime.runtime.checks import Verdicts, check_hardware, check_licence, hardware_refusal, preflight
 from carbonforge_runtime.runtime.doctor.facts import hub_cache_dir, weights_on_host
+from carbonforge_runtime.runtime.group import Group
 from carbonforge_runtime.runtime.launch_plan import LaunchPlan
 from carbonforge_runtime.runtime.plan import (
     ServeOptions,
@@ -40,6 +44,7 @@ from carbonforge_runtime.runtime.plan import (
     model_source,
 )
 from carbonforge_runtime.runtime.startup_phases import repo_cache_folder
+from carbonforge_runtime.runtime.supervisor import GroupHooks
 from carbonforge_runtime.settings import Settings
 
 if TYPE_CHECKING:
@@ -255,6 +260,7 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     observe = start_observability(prepared, options, settings, environ, logger, stop)
     contract = observe.engine_contract(plan.contract) if observe is not None else plan.contract
     engine_env = plan.engine_env(contract)
+    group = _watch_group(plan.group, log_dir, engine_env, logger)
     engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
     what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
     logger.info("starting vLLM for %s; engine log: %s", what, engine.log_path)
@@ -282,8 +288,42 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
             log=logger,
             on_ready=on_ready,
             stop=stop,
+            group=group,
         )
     finally:  # every way out (stop signal, engine death, exception) puts the GPUs back as found
+        if group is not None:  # the leader tells its workers to stop; a worker leaves the group
+            group.close()
         if observe is not None:
             observe.close()
     return report.exit_code
+
+
+#: The file whose presence makes the leader's /health answer 503 (in the log directory).
+GROUP_DOWN_FILE = "group-down"
+
+
+def _watch_group(group: Group | None, log_dir: Path, engine_env: dict[str, str],
+                 logger: logging.Logger) -> GroupHooks | None:
+    """Start watching the other hosts of the group (nothing for a host alone)."""
+    if group is None:
+        return None
+    from carbonforge_runtime.runtime import group_watch
+
+    if not group.leader:
+        watch = group_watch.WorkerWatch(group.rank, group.nnodes, group.master_addr, group.watch_port,
+                                        group.join_timeout_s).start()
+        logger.info("group: watching the leader %s:%d", group.master_addr, group.watch_port)
+        return group_watch.WorkerHooks(watch)
+    try:
+        leader = group_watch.LeaderWatch(group.nnodes, group.watch_port, group.join_timeout_s).start()
+    except OSError as exc:
+        raise CarbonForgeError(
+            f"the group's watch port {group.watch_port} cannot be opened ({exc.strerror or exc})",
+            "free the port, or set CF_GROUP_PORT to a free port on every host of the group",
+        ) from None
+    down = log_dir / GROUP_DOWN_FILE
+    with contextlib.suppress(FileNotFoundError):
+        down.unlink()  # left by an earlier run
+    engine_env[GROUP_DOWN_VARIABLE] = str(down)
+    logger.info("group: watching %d worker(s) on port %d", group.nnodes - 1, group.watch_port)
+    return group_watch.LeaderHooks(leader, down)

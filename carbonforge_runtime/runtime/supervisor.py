@@ -335,6 +335,47 @@ class StopFlag:
         return self.signal is not None
 
 
+@dataclass(frozen=True)
+class GroupLoss:
+    """The group lost a host: why, and whether it was an orderly stop (the leader stopped the group)."""
+
+    message: str
+    orderly: bool = False
+
+
+class GroupHooks:
+    """What the supervisor asks of a host's group watch (:mod:`carbonforge_runtime.runtime.group_watch`)."""
+
+    def loss(self) -> GroupLoss | None:
+        """Set once the group can no longer serve."""
+        return None
+
+    def on_loss(self, loss: GroupLoss) -> None:
+        """Called once, before the engine is stopped (the leader turns /health to 503 here)."""
+
+    def before_stop(self, deadline: float, hurry: Callable[[], bool]) -> None:
+        """Called on a stop signal, before the engine is signalled; returns by ``deadline`` or when
+        ``hurry()`` (a second signal)."""
+
+    def close(self) -> None:
+        """The runtime is done with the group (after the engine stopped)."""
+
+
+#: Once the group has lost a host, how long the engine gets to exit before SIGKILL.
+GROUP_LOST_GRACE_S = 5.0
+
+
+def _group_lost(engine: EngineProcess, loss: GroupLoss, group: GroupHooks, log: logging.Logger) -> ExitReport:
+    if loss.orderly:
+        log.info(f"{loss.message}: stopping vLLM")
+    else:
+        log.error(f"{loss.message}: the group cannot serve without it; stopping vLLM")
+    group.on_loss(loss)
+    code, killed = engine.stop(0, grace_s=GROUP_LOST_GRACE_S)
+    log.info("vLLM stopped" + (" (killed)" if killed else ""))
+    return ExitReport("stopped" if loss.orderly else "group-lost", code, 0 if loss.orderly else 1)
+
+
 def supervise(
     engine: EngineProcess,
     ready_url: str | None,
@@ -345,13 +386,16 @@ def supervise(
     stop: StopFlag,
     api_port: int | None = None,
     download_folder: Path | None = None,
+    group: GroupHooks | None = None,
 ) -> ExitReport:
     """Start the engine, wait for readiness, serve until a signal or the engine's death.
 
     With ``api_port``, readiness also needs the socket listening on that port to belong to the
     engine's process group: a ``/health`` answer from another server is not our engine being ready.
     Without ``ready_url`` (a headless worker of a group, which runs no API server) the engine is
-    supervised from its start, with no readiness to wait for.
+    supervised from its start, with no readiness to wait for. With ``group`` (a host of a multi-host
+    group) the engine is stopped as soon as the group has lost a host, and a stop waits for what
+    ``group.before_stop`` waits for (a worker: its leader's end) before signalling the engine.
     Until ready, the engine's log (and ``download_folder``, the served repository's folder in the
     Hugging Face cache, for downloads) tells which start-up phase it is in."""
     if stop.set:  # the signal came while the launch was being prepared: start nothing
@@ -389,6 +433,9 @@ def supervise(
                 if hint:
                     log.error(f"hint: {hint}")
                 return ExitReport("early-exit" if not ready else "died", code, code if code > 0 else 1)
+            loss = group.loss() if group is not None else None
+            if loss is not None:
+                return _group_lost(engine, loss, group, log)  # type: ignore[arg-type]
             if stop.set and not ready:
                 # Nothing can be in flight before ready: no drain, and vLLM may ignore SIGTERM while
                 # it initialises, so the group is killed after a short grace.
@@ -402,6 +449,8 @@ def supervise(
                 log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name}: stopping vLLM "
                          f"(drain up to {drain_timeout_s:g} s, stopped within {latest:g} s at the latest; "
                          "a second signal stops it at once)")
+                if group is not None:
+                    group.before_stop(time.monotonic() + latest, lambda: stop.again)
                 code, killed = engine.stop(drain_timeout_s, escalate=lambda: stop.again)
                 if killed and stop.again:
                     log.warning("second signal: vLLM killed without finishing its drain")

@@ -711,12 +711,14 @@ def group_checks(facts: DoctorFacts) -> list[Check]:
         checks.append(Check(GROUP, "group.leader", OK, f"the leader {group.leader} accepts connections"))
     elif group.reach == "refused":
         checks.append(Check(GROUP, "group.leader", OK, f"the leader's host answers; nothing listens on "
-                                                       f"{group.leader} yet (its vLLM opens the port when it starts)"))
+                                                       f"{group.leader} yet (the leader's runtime opens it when it "
+                                                       "starts)"))
     elif group.reach:
         checks.append(Check(GROUP, "group.leader", WARN, f"the leader {group.leader} cannot be reached: "
                                                          f"{group.reach_detail or 'no route'}",
                             "check CF_MASTER_ADDR (or LWS_LEADER_ADDRESS) and that the network lets this host open "
-                            "TCP connections to the leader on that port (firewall, Kubernetes NetworkPolicy)"))
+                            "TCP connections to the leader on CF_GROUP_PORT and CF_MASTER_PORT (firewall, "
+                            "Kubernetes NetworkPolicy)"))
     return checks
 
 
@@ -817,6 +819,6 @@ CHECKS: tuple[CheckInfo, ...] = (
     CheckInfo("group.role", GROUP, "this host's place in a multi-host group (leader or worker, rank, leader address), "
               "from `CF_NNODES`, `CF_NODE_RANK`, `CF_MASTER_ADDR` or LeaderWorkerSet's `LWS_*` variables",
               "the variables do not add up: a rank outside the group, no leader address (FAIL)"),
-    CheckInfo("group.leader", GROUP, "on a worker, a TCP connection to the leader's `CF_MASTER_PORT`",
+    CheckInfo("group.leader", GROUP, "on a worker, a TCP connection to the leader's `CF_GROUP_PORT`",
               "the leader cannot be reached: no route, a name that does not resolve, a firewall (WARN)"),
 )

@@ -705,9 +705,10 @@ def group_facts(settings: Settings, probes: Probes) -> GroupFacts | None:
         return GroupFacts(role="serves alone (a group of one host)")
     if group.leader:
         return GroupFacts(role=group.describe())
-    reach, detail = _guarded(lambda: probes.leader(group.master_addr, group.master_port),
+    # The leader's runtime opens its watch port as soon as it starts (vLLM's ports come later).
+    reach, detail = _guarded(lambda: probes.leader(group.master_addr, group.watch_port),
                              lambda exc: ("unreachable", _unexpected(exc)))
-    return GroupFacts(group.describe(), leader=f"{group.master_addr}:{group.master_port}", reach=reach,
+    return GroupFacts(group.describe(), leader=f"{group.master_addr}:{group.watch_port}", reach=reach,
                       reach_detail=detail)
 
 

@@ -138,3 +138,20 @@ def test_a_model_without_reasoning_passes_bodies_and_answers_untouched(monkeypat
             assert data["received"] == orjson.loads(raw) and int(data["length"]) == len(raw)
             assert "reasoning_content" not in data["choices"][0]["message"]
     run(go())
+
+
+def test_health_answers_503_once_the_group_has_lost_a_host(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from carbonforge_runtime.core.api_contract import GROUP_DOWN_VARIABLE
+
+    down = tmp_path / "group-down"
+    monkeypatch.setenv(GROUP_DOWN_VARIABLE, str(down))
+
+    async def go() -> None:
+        async with app(monkeypatch, QWEN3, KEY) as client:
+            assert (await client.get("/health")).status_code == 200
+            down.touch()  # the leader's runtime found a host gone
+            lost = await client.get("/health")
+            assert lost.status_code == 503 and "lost a host" in lost.json()["error"]["message"]
+            served = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"})
+            assert served.status_code == 200  # only the health answer changes; the runtime stops the engine
+    run(go())

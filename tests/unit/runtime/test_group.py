@@ -202,7 +202,7 @@ def test_the_doctor_reports_the_role_and_the_leader() -> None:
     assert "group.leader" not in leader
     worker = doctor_lines(LWS_WORKER, FixedProbes(leader_reach=("unreachable", "no answer within 3 s")))
     assert worker["group.role"][0] == "OK" and "worker, rank 1 of 2" in worker["group.role"][1]
-    assert worker["group.leader"][0] == "WARN" and "10.1.2.3:29501 cannot be reached" in worker["group.leader"][1]
+    assert worker["group.leader"][0] == "WARN" and "10.1.2.3:29499 cannot be reached" in worker["group.leader"][1]
     bad = doctor_lines({"CF_NNODES": "2", "CF_NODE_RANK": "5", "CF_MASTER_ADDR": "a"}, FixedProbes())
     assert bad["group.role"][0] == "FAIL" and "outside the group" in bad["group.role"][1]
 
