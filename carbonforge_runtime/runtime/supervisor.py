@@ -376,6 +376,22 @@ def _group_lost(engine: EngineProcess, loss: GroupLoss, group: GroupHooks, log: 
     return ExitReport("stopped" if loss.orderly else "group-lost", code, 0 if loss.orderly else 1)
 
 
+#: After a group member's engine exited on its own, how long to wait for word of an orderly stop.
+ORDERLY_END_WAIT_S = 3.0
+
+
+def _orderly_group_end(group: GroupHooks | None) -> GroupLoss | None:
+    """The group's orderly stop, if one arrives within ORDERLY_END_WAIT_S; None otherwise."""
+    if group is None:
+        return None
+    deadline = time.monotonic() + ORDERLY_END_WAIT_S
+    while True:
+        loss = group.loss()
+        if loss is not None or time.monotonic() >= deadline:
+            return loss if loss is not None and loss.orderly else None
+        time.sleep(0.1)
+
+
 def supervise(
     engine: EngineProcess,
     ready_url: str | None,
@@ -419,6 +435,10 @@ def supervise(
             code = engine.poll()  # has it exited? before: is it ready?
             if code is not None:
                 engine.signal_group(signal.SIGKILL)
+                ended = _orderly_group_end(group)
+                if ended is not None:  # a worker's vLLM may notice its leader's stop before the word does
+                    log.info(f"{ended.message}: vLLM stopped ({describe_exit(code)})")
+                    return ExitReport("stopped", code, 0)
                 tail = log_tail(engine.log_path)
                 if not ready:
                     _follow(phases, follower, download_folder, time.monotonic())

@@ -172,3 +172,17 @@ def test_a_worker_signalled_to_stop_waits_for_its_leader_to_finish(tmp_path: Pat
     report = supervisor.supervise(engine, None, 60, 30, LOG, lambda: None, stop, group=hooks)
     waited = time.monotonic() - started
     assert report.exit_code == 0 and 2.3 < waited < 15, waited
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("farewell", [True, False])
+def test_a_workers_engine_that_ends_first_is_an_orderly_stop_only_if_the_leader_says_so(
+        tmp_path: Path, leader: LeaderWatch, farewell: bool) -> None:
+    hooks = WorkerHooks(join(leader, 1, nnodes=3))
+    # vLLM on the worker notices the leader's shutdown and exits a moment before the word arrives
+    engine = supervisor.EngineProcess([sys.executable, "-c", "import time; time.sleep(1)"], dict(os.environ),
+                                      tmp_path / "vllm.log")
+    if farewell:
+        threading.Timer(1.5, lambda: leader.close(farewell=True)).start()
+    report = supervisor.supervise(engine, None, 60, 30, LOG, lambda: None, supervisor.StopFlag(), group=hooks)
+    assert (report.outcome, report.exit_code) == (("stopped", 0) if farewell else ("died", 1))
