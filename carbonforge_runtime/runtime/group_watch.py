@@ -280,6 +280,8 @@ class WorkerHooks(GroupHooks):
     """A worker: the group is lost when its leader leaves (or is never reached); a stop signal waits
     for the leader to finish its drain first, since the leader's requests run on this host too."""
 
+    hears_orderly_stop = True
+
     def __init__(self, watch: WorkerWatch) -> None:
         self.watch = watch
 

@@ -346,6 +346,9 @@ class GroupLoss:
 class GroupHooks:
     """What the supervisor asks of a host's group watch (:mod:`carbonforge_runtime.runtime.group_watch`)."""
 
+    #: Whether word of an orderly stop can come at all (a worker's, from its leader).
+    hears_orderly_stop = False
+
     def loss(self) -> GroupLoss | None:
         """Set once the group can no longer serve."""
         return None
@@ -382,7 +385,7 @@ ORDERLY_END_WAIT_S = 3.0
 
 def _orderly_group_end(group: GroupHooks | None) -> GroupLoss | None:
     """The group's orderly stop, if one arrives within ORDERLY_END_WAIT_S; None otherwise."""
-    if group is None:
+    if group is None or not group.hears_orderly_stop:
         return None
     deadline = time.monotonic() + ORDERLY_END_WAIT_S
     while True:
