@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import stat
@@ -186,6 +187,19 @@ def span_attributes(record: Record) -> dict[str, Any]:
     return attrs
 
 
+def span_ids(record: Record) -> tuple[int, int]:
+    """The trace id and span id of a record's span, derived from its request id and arrival time.
+
+    OTLP delivery is at least once: an export whose answer times out is sent again, and the
+    collector may already hold it. With ids that depend only on the record, the copy carries the
+    same ids as the original, so a collector (or anyone counting spans) can tell it is a copy."""
+    seed = f"{record.get('request_id')}|{record.get('t_arrival')!r}".encode()
+    digest = hashlib.sha256(seed).digest()
+    trace_id = int.from_bytes(digest[:16], "big") or 1
+    span_id = int.from_bytes(digest[16:24], "big") or 1
+    return trace_id, span_id
+
+
 def _nanos(seconds: float) -> int:
     return round(seconds * 1e9)
 
@@ -203,6 +217,7 @@ class OtlpSink:
         self.name = f"OTLP {target.protocol} {redact_url(target.endpoint)}"
         self._tracer: Any = None
         self._collected: list[Any] = []
+        self._next_ids = [1, 1]
         self._exporter: Any = None
         self._provider: Any = None
 
@@ -232,14 +247,27 @@ class OtlpSink:
                 f"the OTLP exporter for {redact_url(self.target.endpoint)} cannot be set up "
                 f"({type(exc).__name__}: {exc}); check the OTEL_EXPORTER_OTLP_* variables"
             ) from None
+        from opentelemetry.sdk.trace.id_generator import IdGenerator
+
         collected = self._collected
+        next_ids = self._next_ids
+
+        class _RecordIds(IdGenerator):
+            """Hands out the ids :func:`span_ids` chose for the span about to start."""
+
+            def generate_trace_id(self) -> int:
+                return next_ids[0]
+
+            def generate_span_id(self) -> int:
+                return next_ids[1]
 
         class _Collect(SpanProcessor):
             def on_end(self, span: Any) -> None:
                 collected.append(span)
 
         self._ok = SpanExportResult.SUCCESS
-        self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}),
+                                        id_generator=_RecordIds())
         self._provider.add_span_processor(_Collect())
         self._tracer = self._provider.get_tracer("carbonforge_runtime.engine")
 
@@ -248,6 +276,7 @@ class OtlpSink:
 
         self._collected.clear()
         for record in records:
+            self._next_ids[:] = span_ids(record)
             span = self._tracer.start_span(
                 SPAN_NAME,
                 kind=SpanKind.INTERNAL,

@@ -3,6 +3,10 @@ protobuf body), decoding opentelemetry-proto messages into plain :class:`Receive
 It can serve TLS with a certificate made by the test (:func:`make_tls`), and it records the request
 headers (gRPC metadata) of every export.
 
+OTLP delivery is at least once: an export whose answer was late is sent again. The receiver keeps
+one span per (trace id, span id), as a collector's store does, counts the copies it set aside in
+``copies`` and lists in ``conflicts`` any copy whose content differs from the span it repeats.
+
     with OtlpReceiver("grpc") as receiver:
         ... export to receiver.endpoint ...
         spans = receiver.wait_for(3, timeout_s=10)
@@ -37,6 +41,8 @@ from tests.support import free_port
 
 @dataclass(frozen=True)
 class ReceivedSpan:
+    trace_id: str
+    span_id: str
     name: str
     service_name: str | None
     kind: int
@@ -68,6 +74,8 @@ def decode_request(message: trace_service_pb2.ExportTraceServiceRequest) -> list
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 spans.append(ReceivedSpan(
+                    trace_id=span.trace_id.hex(),
+                    span_id=span.span_id.hex(),
                     name=span.name,
                     service_name=resource.get("service.name"),
                     kind=int(span.kind),
@@ -145,6 +153,9 @@ class OtlpReceiver:
         self.port = port or free_port()
         self.tls = tls
         self.spans: list[ReceivedSpan] = []
+        self._by_id: dict[tuple[str, str], ReceivedSpan] = {}
+        self.copies = 0
+        self.conflicts: list[tuple[ReceivedSpan, ReceivedSpan]] = []
         self.headers: list[dict[str, str]] = []
         self.requests = 0
         self._lock = threading.Lock()
@@ -162,7 +173,14 @@ class OtlpReceiver:
     def _store(self, message: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]) -> None:
         spans = decode_request(message)
         with self._lock:
-            self.spans.extend(spans)
+            for span in spans:
+                first = self._by_id.setdefault((span.trace_id, span.span_id), span)
+                if first is span:
+                    self.spans.append(span)
+                    continue
+                self.copies += 1
+                if first != span:
+                    self.conflicts.append((first, span))
             self.headers.append(headers)
             self.requests += 1
 

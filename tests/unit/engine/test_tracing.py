@@ -33,6 +33,7 @@ from carbonforge_runtime.engine.trace_sinks import (
     SinkError,
     build_sinks,
     span_attributes,
+    span_ids,
 )
 from carbonforge_runtime.engine.trace_writer import TraceWriter
 from carbonforge_runtime.errors import UsageError
@@ -323,6 +324,29 @@ def test_otlp_sink_exports_one_span_per_record(protocol: str) -> None:
     assert attrs["gen_ai.prompt"] == "text1" and attrs["gen_ai.completion"] == "text2"
     assert "cf.ttft_s" not in by_id["chatcmpl-r2"].attributes  # OTLP has no null
     assert "cf.priority_score" not in by_id["chatcmpl-r2"].attributes
+
+
+def test_a_batch_sent_again_carries_the_same_span_ids() -> None:
+    """A retried export (its first answer was late) must be recognisable as a copy."""
+    records = [build_record(completion(engine_request_id=f"chatcmpl-r{i}-0123abcd", prompt_token_ids=[1],
+                                       output_token_ids=[2]), "fcfs", "standard")
+               for i in range(2)]
+    with OtlpReceiver("grpc") as receiver:
+        sink = OtlpSink(otlp_target(receiver.endpoint, {}), timeout_s=5)
+        sink.write(records)
+        sink.write(records)  # the writer's retry of the same batch
+        sink.close()
+        receiver.wait_for(2, timeout_s=10)
+        deadline = time.monotonic() + 10
+        while receiver.copies < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(receiver.snapshot()) == 2 and receiver.copies == 2 and receiver.conflicts == []
+    ids = {span.attributes["cf.request_id"]: (span.trace_id, span.span_id) for span in receiver.snapshot()}
+    assert ids["chatcmpl-r0"] == tuple(f"{n:0{w}x}" for n, w in zip(span_ids(records[0]), (32, 16), strict=True))
+    assert ids["chatcmpl-r0"] != ids["chatcmpl-r1"]
+    # the same request id at another arrival time (a client reusing X-Request-Id) is another span
+    again = dict(records[0], t_arrival=records[0]["t_arrival"] + 60)
+    assert span_ids(again) != span_ids(records[0])
 
 
 def test_span_attributes_of_a_standard_record_carry_no_text() -> None:
