@@ -20,11 +20,12 @@ _guard = run_guarded
 
 def _summarize(files: list[Path], window_s: float) -> Any:
     """Stream every file through one summarizer; damaged input is reported on stderr, not raised."""
+    from carbonforge_runtime.offline.trace_reader import trace_files
     from carbonforge_runtime.offline.trace_tools import summary as summary_mod
 
     summarizer = summary_mod.Summarizer(window_s)
     try:
-        for path in files:
+        for path in trace_files(files):
             summarizer.feed_file(path)
         return summarizer.result()
     finally:
@@ -38,7 +39,8 @@ def _warn(lines: list[str]) -> None:
 
 @trace_app.command("summarize")
 def summarize(
-    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip), read in order.",
+    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip), or directories of them (the "
+                                       "rank files of a data-parallel deployment), read as one trace.",
                                        show_default=False),
     window: str = typer.Option("60s", "--window", help="Window length for the over-time table (60s, 5m, 1h)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of text."),
@@ -98,7 +100,8 @@ def sessions(
 
 @trace_app.command("plot")
 def plot(
-    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip).", show_default=False),
+    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip), or directories of them.",
+                                       show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="PNG file to write."),
     window: str = typer.Option("60s", "--window", help="Window length (60s, 5m, 1h)."),
 ) -> None:

@@ -84,10 +84,34 @@ class TraceConfig:
     flush_timeout_s: float = 4.0
     #: Timeout of one OTLP export call (the exporter retries inside it).
     export_timeout_s: float = 2.0
+    #: Engine cores of a data-parallel deployment; above 1 each rank writes its own file
+    #: (:func:`rank_file`), so no two processes append to one file.
+    data_parallel_size: int = 1
 
     @property
     def full(self) -> bool:
         return self.level == "full"
+
+    def file_of_rank(self, rank: int) -> str | None:
+        """The file data-parallel rank ``rank`` writes: :attr:`file` itself without data parallel."""
+        if self.file is None or self.data_parallel_size <= 1:
+            return self.file
+        return rank_file(self.file, rank)
+
+    @property
+    def file_shown(self) -> str | None:
+        """The file as a person should read it: with data parallel, the pattern of the rank files."""
+        if self.file is None or self.data_parallel_size <= 1:
+            return self.file
+        return rank_file(self.file, "<rank>")
+
+
+def rank_file(path: str, rank: int | str) -> str:
+    """``/logs/requests.jsonl`` -> ``/logs/requests.dp1.jsonl`` (the rank before the last suffix)."""
+    head, sep, name = path.rpartition("/")
+    stem, dot, suffix = name.rpartition(".")
+    named = f"{stem}.dp{rank}.{suffix}" if dot and stem else f"{name}.dp{rank}"
+    return f"{head}{sep}{named}"
 
 
 @dataclass(frozen=True)
@@ -153,8 +177,8 @@ class EngineContract:
 def full_level_banner_lines(config: TraceConfig) -> list[str]:
     """The warning printed (runtime log and engine log) when the full level records text."""
     sinks = []
-    if config.file:
-        sinks.append(config.file)
+    if config.file_shown:
+        sinks.append(config.file_shown)
     if config.otlp:
         sinks.append(f"{redact_url(config.otlp.endpoint)} (OTLP {config.otlp.protocol})")
     return [

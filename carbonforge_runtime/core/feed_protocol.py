@@ -7,11 +7,12 @@ Pure: no sockets, no threads, no vLLM.
 
 Messages (one JSON object per datagram, ``v`` = :data:`VERSION`):
 
-* ``{"k": "r", "sid", "seq", "r": [compact record, ...]}``: completed requests;
-* ``{"k": "c", "sid", "seq", "c": {counters}, "s": {sink: [written, dropped]}}``: engine state.
+* ``{"k": "r", "sid", "seq", "dp", "r": [compact record, ...]}``: completed requests;
+* ``{"k": "c", "sid", "seq", "dp", "c": {counters}, "s": {sink: [written, dropped]}}``: engine state.
 
 ``sid`` names one sender (one engine process) and ``seq`` numbers its messages, so the receiver can
-count what it never got.
+count what it never got. ``dp`` is the sender's data-parallel rank (0 without data parallel; absent
+means 0).
 """
 
 from __future__ import annotations
@@ -108,14 +109,24 @@ class RequestSample:
         )
 
 
-def encode_records(sid: str, seq: int, records: Sequence[Mapping[str, Any]]) -> bytes:
-    return json.dumps({"v": VERSION, "k": KIND_RECORDS, "sid": sid, "seq": seq, "r": [compact(r) for r in records]},
+def encode_records(sid: str, seq: int, records: Sequence[Mapping[str, Any]], dp_rank: int = 0) -> bytes:
+    return json.dumps({"v": VERSION, "k": KIND_RECORDS, "sid": sid, "seq": seq, "dp": dp_rank,
+                       "r": [compact(r) for r in records]}, separators=(",", ":")).encode()
+
+
+def encode_counters(sid: str, seq: int, counters: EngineCounters, sinks: Mapping[str, tuple[int, int]],
+                    dp_rank: int = 0) -> bytes:
+    return json.dumps({"v": VERSION, "k": KIND_COUNTERS, "sid": sid, "seq": seq, "dp": dp_rank,
+                       "c": asdict(counters), "s": {k: list(v) for k, v in sinks.items()}},
                       separators=(",", ":")).encode()
 
 
-def encode_counters(sid: str, seq: int, counters: EngineCounters, sinks: Mapping[str, tuple[int, int]]) -> bytes:
-    return json.dumps({"v": VERSION, "k": KIND_COUNTERS, "sid": sid, "seq": seq, "c": asdict(counters),
-                       "s": {k: list(v) for k, v in sinks.items()}}, separators=(",", ":")).encode()
+def dp_rank_of(message: Mapping[str, Any]) -> int:
+    """A message's data-parallel rank; raises ValueError when it is not a small non-negative integer."""
+    rank = message.get("dp", 0)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 65536:
+        raise ValueError(f"bad data-parallel rank {rank!r}")
+    return rank
 
 
 def sink_kind(name: str) -> str:

@@ -63,9 +63,10 @@ class FeedSender:
 class FeedSink:
     """A trace sink that forwards records to the runtime's metrics (see the module doc)."""
 
-    def __init__(self, path: str, interval_s: float = COUNTERS_INTERVAL_S) -> None:
+    def __init__(self, path: str, interval_s: float = COUNTERS_INTERVAL_S, dp_rank: int = 0) -> None:
         self.name = f"metrics feed {path}"
         self.sender = FeedSender(path)
+        self.dp_rank = dp_rank
         self.interval_s = interval_s
         self._state: Callable[[], tuple[EngineCounters, Mapping[str, tuple[int, int]]]] | None = None
         self._stop = threading.Event()
@@ -75,13 +76,14 @@ class FeedSink:
         """Never raises and never blocks: a datagram the runtime cannot take now is counted as lost."""
         sender = self.sender
         for i in range(0, len(records), RECORDS_PER_DATAGRAM):
-            sender.send(encode_records(sender.sid, sender.next_seq(), records[i:i + RECORDS_PER_DATAGRAM]))
+            sender.send(encode_records(sender.sid, sender.next_seq(), records[i:i + RECORDS_PER_DATAGRAM],
+                                       self.dp_rank))
 
     def send_state(self) -> None:
         if self._state is None:
             return
         counters, sinks = self._state()
-        self.sender.send(encode_counters(self.sender.sid, self.sender.next_seq(), counters, sinks))
+        self.sender.send(encode_counters(self.sender.sid, self.sender.next_seq(), counters, sinks, self.dp_rank))
 
     def follow(self, state: Callable[[], tuple[EngineCounters, Mapping[str, tuple[int, int]]]]) -> None:
         """Send ``state()`` every ``interval_s`` from now on (and once more at close)."""

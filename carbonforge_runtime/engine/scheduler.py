@@ -299,9 +299,19 @@ class _CarbonForgeMixin:
         self._cf_energy = start_meter(contract.energy_meter, log)
         if self._cf_energy is not None:
             build = self._cf_energy.wrap_build(build)
-        writer = TraceWriter(build_sinks(trace, contract.metrics_feed), build, limits, log).start()
+        writer = TraceWriter(build_sinks(trace, contract.metrics_feed, self._cf_dp_rank()), build, limits, log).start()
         attach_feed(writer)  # the runtime's metrics feed, when it asked for one
         return writer
+
+    def _cf_dp_rank(self) -> int:
+        """This engine core's data-parallel rank. vLLM runs each rank of a dense model as an
+        independent engine (its ``data_parallel_rank`` reset to 0) and keeps the rank in
+        ``data_parallel_index``."""
+        config = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        rank = getattr(config, "data_parallel_index", None)
+        if not isinstance(rank, int):
+            rank = getattr(config, "data_parallel_rank", 0)
+        return rank if isinstance(rank, int) and rank >= 0 else 0
 
     def _cf_watch_shutdown_signal(self) -> None:
         """Learn that the engine is shutting down: wrap the SIGTERM handler vLLM's engine-core

@@ -309,16 +309,18 @@ class OtlpSink:
                 self._exporter.shutdown()
 
 
-def build_sinks(tracing: TraceConfig | None, feed: MetricsFeed | None = None) -> list[Sink]:
-    """Every sink the engine contract names: the trace's file and collector, and the runtime's
-    metrics feed. The one place a new kind of sink is added."""
+def build_sinks(tracing: TraceConfig | None, feed: MetricsFeed | None = None, dp_rank: int = 0) -> list[Sink]:
+    """Every sink the engine contract names: the trace's file (this data-parallel rank's own, with
+    data parallel) and collector, and the runtime's metrics feed. The one place a new kind of sink
+    is added."""
     sinks: list[Sink] = []
-    if tracing is not None and tracing.file:
-        sinks.append(JsonlSink(tracing.file, private=tracing.full))
+    file = tracing.file_of_rank(dp_rank) if tracing is not None else None
+    if tracing is not None and file:
+        sinks.append(JsonlSink(file, private=tracing.full))
     if tracing is not None and tracing.otlp:
         sinks.append(OtlpSink(tracing.otlp, timeout_s=tracing.export_timeout_s))
     if feed is not None:
         from carbonforge_runtime.engine.metrics_feed import FeedSink
 
-        sinks.append(FeedSink(feed.socket))
+        sinks.append(FeedSink(feed.socket, dp_rank=dp_rank))
     return sinks

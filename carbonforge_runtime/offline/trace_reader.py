@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,34 @@ def check_readable(path: Path) -> None:
     except OSError as exc:
         raise TraceInputError(f"trace file {path} cannot be read ({exc.strerror})",
                               "check the file's permissions") from None
+
+
+#: What a directory given to the trace tools is searched for (the rank files of data parallel,
+#: rotated or compressed copies).
+TRACE_FILE_PATTERNS = ("*.jsonl", "*.jsonl.gz")
+
+
+def trace_files(paths: Sequence[Path]) -> list[Path]:
+    """``paths`` with every directory replaced by the trace files in it (sorted by name), each file
+    once even when it is named twice (directly and through its directory)."""
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for path in paths:
+        if path.is_dir():
+            found = sorted({f for pattern in TRACE_FILE_PATTERNS for f in path.glob(pattern) if f.is_file()})
+            if not found:
+                raise TraceInputError(
+                    f"{path} holds no trace files ({' or '.join(TRACE_FILE_PATTERNS)})",
+                    "pass the directory the runtime writes its traces to (--trace-file's directory), or the files",
+                )
+        else:
+            found = [path]
+        for file in found:
+            key = file.resolve() if file.exists() else file
+            if key not in seen:
+                seen.add(key)
+                out.append(file)
+    return out
 
 
 def is_gzip(path: Path) -> bool:

@@ -126,6 +126,21 @@ def flag_values(args: Sequence[str], flag: str) -> list[str] | None:
     return found
 
 
+def data_parallel_size(args: Sequence[str]) -> int:
+    """The data-parallel size ``args`` give vLLM (``--data-parallel-size N``, ``-dp N``, with ``=`` or
+    not; the last one wins, as in vLLM's parser); 1 when absent or not a number."""
+    size = "1"
+    for i, arg in enumerate(args):
+        name, sep, inline = arg.partition("=")
+        if name.replace("_", "-") not in ("--data-parallel-size", "-dp"):
+            continue
+        if sep:
+            size = inline
+        elif i + 1 < len(args):
+            size = args[i + 1]
+    return int(size) if size.isdigit() and int(size) > 0 else 1
+
+
 def effective_endpoint(args: Sequence[str], served: str, host: str, port: int) -> tuple[str, str, int]:
     """(served model name, host, port) vLLM will use once ``args`` (appended last, so they win) are
     applied over the given defaults. The first of several served names is the one responses carry."""

@@ -10,9 +10,10 @@ run and a real launch of the same options run the same command.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from carbonforge_runtime.core.api_contract import EFFORTS
 from carbonforge_runtime.core.contract import TraceConfig, full_level_banner_lines
@@ -38,6 +39,7 @@ from carbonforge_runtime.runtime.launch_plan import (
     LaunchPlan,
     build_override_plan,
     build_recipe_plan,
+    data_parallel_size,
     engine_args,
     flags_in,
     user_scheduler_cls,
@@ -188,6 +190,7 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
         messages += [Message("warning", line) for line in launch.departures]
         messages += [Message("info", line) for line in launch.notes]
         present = BUILTIN_WEIGHTS if recipe.model.builtin else weights_present
+        trace = _trace_per_rank(launch, trace, messages)
         _place(launch, group, messages)
         privacy = _privacy(launch, recipe.model.repo, present, environ, messages)
         cache = _compile_cache(launch, settings, environ, messages)
@@ -206,11 +209,28 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     _check_scheduler("fcfs", {}, options.vllm_args, trace)
     launch = build_override_plan(options.vllm_args, settings, model, base_env=base_env, trace=trace)
     messages += [Message("info", line) for line in launch.notes]
+    trace = _trace_per_rank(launch, trace, messages)
     _place(launch, group, messages)
     privacy = _privacy(launch, model, weights_present, environ, messages)
     cache = _compile_cache(launch, settings, environ, messages)
     _api_access(launch, messages)
     return ServePlan(launch, trace, model, list(options.vllm_args), messages, privacy, cache)
+
+
+def _trace_per_rank(launch: LaunchPlan, trace: TraceConfig | None, messages: list[Message]) -> TraceConfig | None:
+    """With data parallel, each engine core writes its own trace file, named by its rank: several
+    processes never share one file, and a rank's file tells which engine served what."""
+    size = data_parallel_size(engine_args(launch.argv))
+    if trace is None or not trace.file or size <= 1:
+        return trace
+    directory = os.path.dirname(trace.file) or "."
+    trace = replace(trace, data_parallel_size=size)
+    if launch.contract is not None:
+        launch.contract = replace(launch.contract, tracing=trace)
+    messages.append(Message("info", f"request trace: data parallel {size}, so each rank writes its own file: "
+                                    f"{trace.file_shown} (summarize them together with `trace summarize "
+                                    f"{directory}`)"))
+    return trace
 
 
 def _place(launch: LaunchPlan, group: Group | None, messages: list[Message]) -> None:
@@ -299,7 +319,7 @@ def describe_trace(trace: TraceConfig | None, options: ServeOptions) -> str:
         return "off" if options.request_trace in ("off", "", None) else f"off ({options.request_trace} has no sink)"
     sinks = []
     if trace.file:
-        sinks.append(f"file {trace.file}")
+        sinks.append(f"file {trace.file_shown}")
     if trace.otlp:
         sinks.append(f"OTLP {trace.otlp.protocol} {redact_url(trace.otlp.endpoint)}")
     return f"{trace.level} -> {', '.join(sinks)}"

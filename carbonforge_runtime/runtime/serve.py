@@ -150,10 +150,16 @@ def create_trace_file(path: str, private: bool) -> bool:
 
 
 def _create_trace_file(trace: TraceConfig | None) -> None:
-    """Create the JSONL file before the engine starts (owner-only at the full level)."""
+    """Create the JSONL file before the engine starts (owner-only at the full level); with data
+    parallel, the file of each rank this host runs is created by that rank's engine core, so only
+    its directory is made and checked here."""
     if trace is None or not trace.file:
         return
     try:
+        if trace.data_parallel_size > 1:
+            directory = os.path.dirname(trace.file) or "."
+            files.probe_writable(directory)
+            return
         tightened = create_trace_file(trace.file, private=trace.full)
     except files.SymlinkRefused as exc:
         raise exc.as_error() from None

@@ -276,16 +276,16 @@ def test_the_metrics_table_is_what_the_page_exposes() -> None:
     from carbonforge_runtime.runtime.energy.controller import ControllerStatus
     from carbonforge_runtime.runtime.metrics.exposition import METRICS, PREFIX, families
     from carbonforge_runtime.runtime.metrics.receiver import ReceiverStats
-    from carbonforge_runtime.runtime.metrics.state import FamilyStats, Info, Snapshot
+    from carbonforge_runtime.runtime.metrics.state import FamilyStats, Info, RankState, Snapshot
 
-    stats = FamilyStats(prompt_tokens=10, output_tokens=5, energy_j=1.0, requests={"stop": 1})
+    stats = FamilyStats(prompt_tokens=10, output_tokens=5, energy_j=1.0, requests={("stop", 0): 1})
     stats.queue_wait.observe(0.1)
     stats.ttft.observe(0.2)
     stats.e2e.observe(0.3)
     everything = Snapshot(
         families={"fcfs": stats},
-        engine=EngineState(EngineCounters(steps=3, waiting=1, running=2), sinks={"file": (1, 0), "queue": (0, 1)}),
-        engine_age_s=0.2,
+        ranks={0: RankState(EngineState(EngineCounters(steps=3, waiting=1, running=2),
+                                        sinks={"file": (1, 0), "queue": (0, 1)}), 0.2)},
         feed=ReceiverStats(messages=4),
         gpus=[GpuReading(0, "GPU-0", 300.0, 1e6, 1410, 1593, 60.0, 1 << 30, 400.0, False)],
         controller=ControllerStatus("lock-sm-clock", False, "", targets={0: (1410.0, 400.0)}, load=0.5),

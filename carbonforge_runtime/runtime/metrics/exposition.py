@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from carbonforge_runtime.gpu.types import GpuReading
-from carbonforge_runtime.runtime.metrics.state import Histogram, Snapshot
+from carbonforge_runtime.runtime.metrics.state import Histogram, RankState, Snapshot
 
 PREFIX = "carbonforge_"
 MHZ = 1_000_000.0
@@ -46,6 +46,9 @@ class MetricSpec:
 
 _FAMILY = ("scheduler_family",)
 _GPU = ("gpu", "uuid")
+#: The data-parallel rank of the engine core a value comes from ("0" without data parallel): sum
+#: over it for the deployment's total.
+_RANK = ("dp_rank",)
 #: Every metric family, in exposition order. The code below takes each family's type, help and labels
 #: from here, and docs/metrics-and-energy.md is generated from it (scripts/gen_docs.py).
 METRICS: tuple[MetricSpec, ...] = (
@@ -59,19 +62,20 @@ METRICS: tuple[MetricSpec, ...] = (
                "completed request (requests that produced no token are not counted)", _FAMILY),
     MetricSpec("request_e2e_latency_seconds", "histogram", "Arrival to completion of each completed request",
                _FAMILY),
-    MetricSpec("requests", "counter", "Completed requests by finish reason", ("scheduler_family", "finish_reason")),
+    MetricSpec("requests", "counter", "Completed requests by finish reason and data-parallel rank",
+               ("scheduler_family", "finish_reason", "dp_rank")),
     MetricSpec("request_prompt_tokens", "counter", "Prompt tokens of completed requests", _FAMILY),
     MetricSpec("request_output_tokens", "counter", "Output tokens of completed requests", _FAMILY),
     MetricSpec("request_energy_joules", "counter", "GPU energy attributed to completed requests", _FAMILY),
-    MetricSpec("requests_waiting", "gauge", "Requests waiting to be scheduled"),
-    MetricSpec("requests_running", "gauge", "Requests in the running batch"),
-    MetricSpec("engine_steps", "counter", "Engine scheduling steps"),
-    MetricSpec("engine_scheduled_tokens", "counter", "Tokens scheduled by the engine"),
-    MetricSpec("engine_requests_arrived", "counter", "Requests that reached the engine"),
-    MetricSpec("engine_state_age_seconds", "gauge", "Time since the engine last reported"),
-    MetricSpec("trace_records_written", "counter", "Trace records a sink stored", ("sink",)),
+    MetricSpec("requests_waiting", "gauge", "Requests waiting to be scheduled", _RANK),
+    MetricSpec("requests_running", "gauge", "Requests in the running batch", _RANK),
+    MetricSpec("engine_steps", "counter", "Engine scheduling steps", _RANK),
+    MetricSpec("engine_scheduled_tokens", "counter", "Tokens scheduled by the engine", _RANK),
+    MetricSpec("engine_requests_arrived", "counter", "Requests that reached the engine", _RANK),
+    MetricSpec("engine_state_age_seconds", "gauge", "Time since the engine last reported", _RANK),
+    MetricSpec("trace_records_written", "counter", "Trace records a sink stored", ("sink", "dp_rank")),
     MetricSpec("trace_records_dropped", "counter", "Trace records given up on (sink \"queue\": dropped before "
-               "reaching any sink)", ("sink",)),
+               "reaching any sink)", ("sink", "dp_rank")),
     MetricSpec("metrics_feed_messages", "counter", "Messages received from the engine"),
     MetricSpec("metrics_feed_lost_messages", "counter", "Messages from the engine that never arrived"),
     MetricSpec("gpu_power_watts", "gauge", "Power draw", _GPU),
@@ -142,8 +146,8 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     output = _family("request_output_tokens")
     energy = _family("request_energy_joules")
     for name, stats in sorted(fams.items()):
-        for reason, count in sorted(stats.requests.items()):
-            requests.add_metric([name, reason], count)
+        for (reason, rank), count in sorted(stats.requests.items()):
+            requests.add_metric([name, reason, str(rank)], count)
         prompt.add_metric([name], stats.prompt_tokens)
         output.add_metric([name], stats.output_tokens)
         energy.add_metric([name], stats.energy_j)
@@ -152,24 +156,29 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     yield output
     yield energy
 
-    # -- engine state (from the engine, twice a second) --
-    engine = snap.engine
-    if engine is not None:
-        counters = engine.counters
-        yield _family("requests_waiting", value=counters.waiting)
-        yield _family("requests_running", value=counters.running)
-        yield _family("engine_steps", value=counters.steps)
-        yield _family("engine_scheduled_tokens", value=counters.tokens_scheduled_total)
-        yield _family("engine_requests_arrived", value=counters.requests_arrived_total)
-        if snap.engine_age_s is not None:
-            yield _family("engine_state_age_seconds", value=snap.engine_age_s)
-        if engine.sinks:
+    # -- engine state (from each engine core, twice a second) --
+    if snap.ranks:
+        counted: list[tuple[str, Callable[[RankState], float]]] = [
+            ("requests_waiting", lambda r: r.engine.counters.waiting),
+            ("requests_running", lambda r: r.engine.counters.running),
+            ("engine_steps", lambda r: r.engine.counters.steps),
+            ("engine_scheduled_tokens", lambda r: r.engine.counters.tokens_scheduled_total),
+            ("engine_requests_arrived", lambda r: r.engine.counters.requests_arrived_total),
+            ("engine_state_age_seconds", lambda r: r.age_s),
+        ]
+        for name, of_rank in counted:
+            family = _family(name)
+            for rank, state in snap.ranks.items():
+                family.add_metric([str(rank)], of_rank(state))
+            yield family
+        if any(state.engine.sinks for state in snap.ranks.values()):
             written = _family("trace_records_written")
             dropped = _family("trace_records_dropped")
-            for kind, (w, d) in sorted(engine.sinks.items()):
-                if kind != "queue":
-                    written.add_metric([kind], w)
-                dropped.add_metric([kind], d)
+            for rank, state in snap.ranks.items():
+                for kind, (w, d) in sorted(state.engine.sinks.items()):
+                    if kind != "queue":
+                        written.add_metric([kind, str(rank)], w)
+                    dropped.add_metric([kind, str(rank)], d)
             yield written
             yield dropped
     yield _family("metrics_feed_messages", value=snap.feed.messages)

@@ -19,6 +19,7 @@ from carbonforge_runtime.core.feed_protocol import (
     VERSION,
     EngineState,
     RequestSample,
+    dp_rank_of,
 )
 
 #: The receive buffer the runtime asks for (the kernel may cap it at net.core.rmem_max).
@@ -34,8 +35,10 @@ class ReceiverStats:
 class FeedReceiver:
     """Binds the socket and hands every message to the callbacks on its own thread."""
 
-    def __init__(self, path: str, on_records: Callable[[list[RequestSample]], None],
-                 on_state: Callable[[EngineState], None], log: logging.Logger) -> None:
+    def __init__(self, path: str, on_records: Callable[[list[RequestSample], int], None],
+                 on_state: Callable[[EngineState, int], None], log: logging.Logger) -> None:
+        """``on_records(samples, dp_rank)`` and ``on_state(state, dp_rank)`` get each message with
+        the data-parallel rank of the engine core that sent it."""
         self.path = path
         self.on_records = on_records
         self.on_state = on_state
@@ -62,6 +65,7 @@ class FeedReceiver:
             if not isinstance(message, dict) or message.get("v") != VERSION:
                 raise ValueError("unknown message")
             sid, seq = str(message["sid"]), int(message["seq"])
+            rank = dp_rank_of(message)
         except (ValueError, KeyError, TypeError):
             self.stats.malformed += 1
             return
@@ -73,9 +77,9 @@ class FeedReceiver:
         self.stats.messages += 1
         try:
             if message.get("k") == KIND_RECORDS:
-                self.on_records([RequestSample.from_compact(r) for r in message.get("r") or []])
+                self.on_records([RequestSample.from_compact(r) for r in message.get("r") or []], rank)
             elif message.get("k") == KIND_COUNTERS:
-                self.on_state(EngineState.from_message(message.get("c") or {}, message.get("s") or {}))
+                self.on_state(EngineState.from_message(message.get("c") or {}, message.get("s") or {}), rank)
         except (ValueError, TypeError, AttributeError):
             self.stats.malformed += 1
 

@@ -59,7 +59,8 @@ class FamilyStats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     energy_j: float = 0.0
-    requests: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    #: (finish reason, data-parallel rank) -> count
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,19 @@ class Info:
     licence_expires_at: float | None
 
 
+@dataclass(frozen=True)
+class RankState:
+    """What one engine core (one data-parallel rank) last reported, and how long ago."""
+
+    engine: EngineState
+    age_s: float
+
+
 @dataclass
 class Snapshot:
     families: dict[str, FamilyStats]
-    engine: EngineState | None
-    engine_age_s: float | None
+    #: Data-parallel rank -> its engine core's last report (rank 0 alone without data parallel).
+    ranks: dict[int, RankState]
     feed: ReceiverStats
     gpus: list[GpuReading]
     controller: ControllerStatus | None
@@ -90,9 +99,9 @@ class RuntimeState:
         self._lock = threading.Lock()
         self._families: dict[str, FamilyStats] = {}
         self._recent: deque[tuple[float, float, float | None]] = deque()  # (t, queue wait, ttft)
-        self._engine: EngineState | None = None
-        self._engine_t: float | None = None
-        self._token_history: deque[tuple[float, int, int]] = deque(maxlen=TOKEN_HISTORY)  # (t, steps, tokens)
+        self._engines: dict[int, tuple[EngineState, float]] = {}  # rank -> (last state, when)
+        # per rank: (t, steps, tokens)
+        self._token_history: dict[int, deque[tuple[float, int, int]]] = {}
         self._gpus: list[GpuReading] = []
         self.feed = ReceiverStats()
         self.controller: Callable[[], ControllerStatus] | None = None
@@ -102,7 +111,7 @@ class RuntimeState:
 
     # -- inputs --
 
-    def on_records(self, samples: list[RequestSample]) -> None:
+    def on_records(self, samples: list[RequestSample], dp_rank: int = 0) -> None:
         now = self.clock()
         with self._lock:
             for s in samples:
@@ -117,17 +126,19 @@ class RuntimeState:
                 stats.output_tokens += s.output_tokens
                 if s.energy_j is not None:
                     stats.energy_j += s.energy_j
-                stats.requests[s.finish_reason] = stats.requests.get(s.finish_reason, 0) + 1
+                key = (s.finish_reason, dp_rank)
+                stats.requests[key] = stats.requests.get(key, 0) + 1
                 self.output_tokens_total += s.output_tokens
                 self._recent.append((now, s.queue_wait_s, s.ttft_s))
             while self._recent and now - self._recent[0][0] > MAX_GUARD_WINDOW_S:
                 self._recent.popleft()
 
-    def on_engine_state(self, state: EngineState) -> None:
+    def on_engine_state(self, state: EngineState, dp_rank: int = 0) -> None:
         now = self.clock()
         with self._lock:
-            self._engine, self._engine_t = state, now
-            self._token_history.append((now, state.counters.steps, state.counters.tokens_scheduled_total))
+            self._engines[dp_rank] = (state, now)
+            history = self._token_history.setdefault(dp_rank, deque(maxlen=TOKEN_HISTORY))
+            history.append((now, state.counters.steps, state.counters.tokens_scheduled_total))
 
     def set_gpus(self, readings: list[GpuReading]) -> None:
         with self._lock:
@@ -136,20 +147,25 @@ class RuntimeState:
     # -- outputs --
 
     def signals(self, now: float, window_s: float, token_window_s: float = 10.0) -> Signals:
-        """What the controller sees at ``now`` (monotonic)."""
+        """What the controller sees at ``now`` (monotonic). With data parallel: the waiting and
+        running requests of all ranks, the mean tokens per step of the ranks that stepped, and the
+        age of the stalest report."""
         with self._lock:
-            engine, engine_t = self._engine, self._engine_t
+            engines = list(self._engines.values())
             recent = [(w, t) for (at, w, t) in self._recent if now - at <= window_s]
-            history = [h for h in self._token_history if now - h[0] <= token_window_s]
-        tokens_per_step = None
-        if len(history) >= 2:
-            steps = history[-1][1] - history[0][1]
-            tokens_per_step = (history[-1][2] - history[0][2]) / steps if steps > 0 else 0.0
+            histories = [[h for h in history if now - h[0] <= token_window_s]
+                         for history in self._token_history.values()]
+        per_rank = []
+        for history in histories:
+            if len(history) >= 2:
+                steps = history[-1][1] - history[0][1]
+                per_rank.append((history[-1][2] - history[0][2]) / steps if steps > 0 else 0.0)
+        tokens_per_step = sum(per_rank) / len(per_rank) if per_rank else None
         return Signals(
             now_s=now,
-            age_s=None if engine_t is None else max(now - engine_t, 0.0),
-            waiting=engine.counters.waiting if engine else 0,
-            running=engine.counters.running if engine else 0,
+            age_s=max((max(now - t, 0.0) for _, t in engines), default=None),
+            waiting=sum(e.counters.waiting for e, _ in engines),
+            running=sum(e.counters.running for e, _ in engines),
             tokens_per_step=tokens_per_step,
             queue_wait_p90_s=quantile([w for w, _ in recent], 0.90),
             ttft_p90_s=quantile([t for _, t in recent if t is not None], 0.90),
@@ -172,8 +188,7 @@ class RuntimeState:
             }
             return Snapshot(
                 families=families,
-                engine=self._engine,
-                engine_age_s=None if self._engine_t is None else now - self._engine_t,
+                ranks={rank: RankState(engine, now - t) for rank, (engine, t) in sorted(self._engines.items())},
                 feed=ReceiverStats(self.feed.messages, self.feed.lost, self.feed.malformed),
                 gpus=list(self._gpus),
                 controller=controller,

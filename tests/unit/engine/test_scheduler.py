@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, Ordering, TraceConfig
 from carbonforge_runtime.core.ordering import registry as policy
 from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
 from carbonforge_runtime.errors import UsageError
@@ -183,6 +184,30 @@ def test_async_scheduling_gets_the_async_base(
     engine.run()
     engine.scheduler.shutdown()
     assert [(r["request_id"], r["output_tokens"]) for r in records(path)] == [("chatcmpl-async", 2)]
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_a_data_parallel_rank_writes_its_own_file(
+    dp_size: int, vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM runs each rank of a dense model as an independent engine core and keeps its rank in
+    ``data_parallel_index``; with data parallel the rank's records go to its own file."""
+
+    def rank_one(max_num_seqs: int, async_scheduling: bool) -> Any:
+        config, kv, som = vllm_parts["build"](max_num_seqs, async_scheduling)
+        config.parallel_config.data_parallel_index = 1
+        return config, kv, som
+
+    path = tmp_path / "requests.jsonl"
+    trace = TraceConfig(level="standard", file=str(path), flush_timeout_s=5.0, data_parallel_size=dp_size)
+    monkeypatch.setenv(CONTRACT_ENV, EngineContract(Ordering("fcfs", {}), trace).to_json())
+    engine = Engine(dict(vllm_parts, build=rank_one), max_num_seqs=2)
+    engine.add("chatcmpl-dp-0123abcd", list(range(1, 10)), max_tokens=2)
+    engine.run()
+    engine.scheduler.shutdown()
+    written = tmp_path / ("requests.dp1.jsonl" if dp_size == 2 else "requests.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [written.name]
+    assert [r["request_id"] for r in records(written)] == ["chatcmpl-dp"]
 
 
 def test_no_trace_and_fcfs_tracks_nothing(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

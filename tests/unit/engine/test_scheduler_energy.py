@@ -74,7 +74,8 @@ def test_the_feed_carries_records_and_counters_to_the_runtime(
     sock = tmp_path / "feed.sock"
     samples: list[RequestSample] = []
     states: list[EngineState] = []
-    receiver = FeedReceiver(str(sock), samples.extend, states.append, logging.getLogger("test")).start()
+    receiver = FeedReceiver(str(sock), lambda got, rank: samples.extend(got), lambda state, rank: states.append(state),
+                            logging.getLogger("test")).start()
     try:
         # tracing off, metrics on: the contract names the feed and no trace part
         monkeypatch.setenv(CONTRACT_ENV, EngineContract(metrics_feed=MetricsFeed(str(sock))).to_json())

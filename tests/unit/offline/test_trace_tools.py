@@ -206,6 +206,36 @@ def test_summarize_reads_several_files_and_concatenated_gzip_members(tmp_path: P
     assert json.loads(result.stdout)["records"] == 300
 
 
+def test_summarize_reads_a_directory_of_rank_files_as_one_trace(tmp_path: Path) -> None:
+    records = synthetic_trace(300)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    # two data-parallel ranks, interleaved in time; one has rotated a compressed part away
+    write_jsonl(traces / "requests.dp0.jsonl", records[0:200:2])
+    (traces / "requests.dp0.1.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps(r) + "\n" for r in records[200::2]).encode()))
+    write_jsonl(traces / "requests.dp1.jsonl", records[1::2])
+    (traces / "notes.txt").write_text("not a trace")
+    (traces / "old.jsonl").mkdir()  # a directory with a trace-like name is not a file
+    result = invoke("trace", "summarize", str(traces), str(traces / "requests.dp1.jsonl"), "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["records"] == 300  # each request once, the file named twice read once
+    assert sorted(Path(f["path"]).name for f in summary["files"]) == [
+        "requests.dp0.1.jsonl.gz", "requests.dp0.jsonl", "requests.dp1.jsonl"]
+    whole = invoke("trace", "summarize", str(write_jsonl(tmp_path / "all.jsonl", records)), "--json")
+    alone = json.loads(whole.stdout)["overall"]
+    for figure in ("e2e_s", "queue_wait_s"):  # the same figures as the one file (sums up to rounding)
+        for key, value in alone[figure].items():
+            assert summary["overall"][figure][key] == pytest.approx(value, rel=1e-9), (figure, key)
+
+
+def test_an_empty_directory_is_refused_with_the_fix(tmp_path: Path) -> None:
+    result = invoke("trace", "summarize", str(tmp_path))
+    assert result.exit_code != 0
+    assert f"{tmp_path} holds no trace files" in result.output and "Traceback" not in result.output
+
+
 def phase(start_index: int, t_start: float, count: int, gap_s: float, e2e: float, queue: float,
           output: int) -> list[dict[str, Any]]:
     return [record(start_index + k, t_start + k * gap_s, e2e, queue, output=output) for k in range(count)]

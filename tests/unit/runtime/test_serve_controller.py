@@ -161,7 +161,7 @@ def test_restores_on_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, si
     assert "received SIGTERM" in text
     assert text.index("unlock the SM clock of GPU 0 (stopping)") < text.index("vLLM stopped")
     text = scraped[0].decode()
-    assert 'carbonforge_requests_total{finish_reason="stop",scheduler_family="fcfs"} 3.0' in text
+    assert 'carbonforge_requests_total{dp_rank="0",finish_reason="stop",scheduler_family="fcfs"} 3.0' in text
     assert 'carbonforge_controller_target_sm_clock_hertz{gpu="0",policy="lock-sm-clock"}' in text
 
 

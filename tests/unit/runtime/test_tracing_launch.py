@@ -125,3 +125,41 @@ def test_a_fifo_as_trace_file_is_refused_at_once(tmp_path: Path) -> None:
     with pytest.raises(CarbonForgeError) as refused:  # no reader: an open for writing would block forever
         _create_trace_file(TraceConfig(level="standard", file=str(fifo)))
     assert "is not a regular file" in refused.value.message and "--trace-file" in refused.value.remedy
+
+
+@pytest.mark.parametrize("dp_args", [["--data-parallel-size", "2"], ["-dp", "2"], ["--data_parallel_size=2"],
+                                     ["-dp=2"]])
+def test_data_parallel_gives_each_rank_its_own_trace_file(dp_args: list[str], tmp_path: Path,
+                                                           runtime_log: Lines) -> None:
+    trace = tmp_path / "traces" / "requests.jsonl"
+    ready = prepared(ServeOptions(request_trace="full", trace_file=str(trace),
+                                  vllm_args=["/models/tiny", "--dtype", "bfloat16", *dp_args]))
+    config = engine_config(ready.plan)
+    assert config["tracing"]["data_parallel_size"] == 2 and config["tracing"]["file"] == str(trace)
+    pattern = str(tmp_path / "traces" / "requests.dp<rank>.jsonl")
+    assert f"request trace:      full -> file {pattern}" in describe_prepared(ready, ServeOptions(), {})
+    assert any(f"each rank writes its own file: {pattern}" in line and f"trace summarize {trace.parent}" in line
+               for line in runtime_log.lines), runtime_log.lines
+    # before launch only the directory is made and checked: each rank creates its own file
+    _create_trace_file(ready.trace)
+    assert trace.parent.is_dir() and list(trace.parent.iterdir()) == []
+
+
+def test_a_recipe_with_data_parallel_traces_per_rank(tmp_path: Path) -> None:
+    from carbonforge_runtime.core.contract import rank_file
+
+    key = "qwen3.6-27b:fp8:agentic:h100x8"
+    ready = prepare(ServeOptions(context_key=key, request_trace="standard", trace_file=str(tmp_path / "t.jsonl"),
+                                 skip_preflight=True, dry_run=True),
+                    load_settings({}), {}, FakeGpuBackend(host("h100", count=8)))
+    assert engine_config(ready.plan)["tracing"]["data_parallel_size"] == 4
+    assert ready.trace is not None and ready.trace.file_of_rank(3) == str(tmp_path / "t.dp3.jsonl")
+    assert rank_file("/v/requests", 1) == "/v/requests.dp1" and rank_file("/v/.t", 0) == "/v/.t.dp0"
+    assert rank_file("a.b/c.jsonl.gz", 2) == "a.b/c.jsonl.dp2.gz"
+
+
+def test_without_data_parallel_one_file_as_before(tmp_path: Path) -> None:
+    ready = prepared(ServeOptions(request_trace="standard", trace_file=str(tmp_path / "t.jsonl"),
+                                  vllm_args=["/models/tiny", "--data-parallel-size", "1", "-tp", "2"]))
+    assert engine_config(ready.plan)["tracing"]["data_parallel_size"] == 1
+    assert ready.trace is not None and ready.trace.file_of_rank(0) == str(tmp_path / "t.jsonl")

@@ -137,10 +137,12 @@ def test_an_empty_runtime_exposes_a_clean_page() -> None:
 
 
 def test_lost_and_malformed_messages_are_counted() -> None:
-    got: list[RequestSample] = []
-    states: list[EngineState] = []
+    got: list[tuple[RequestSample, int]] = []
+    states: list[tuple[EngineState, int]] = []
     receiver = FeedReceiver.__new__(FeedReceiver)  # handle() decodes; no socket is needed to test it
-    receiver.on_records, receiver.on_state, receiver.log = got.extend, states.append, LOG
+    receiver.log = LOG
+    receiver.on_records = lambda samples, rank: got.extend((s, rank) for s in samples)
+    receiver.on_state = lambda state, rank: states.append((state, rank))
     from carbonforge_runtime.runtime.metrics.receiver import ReceiverStats
 
     receiver.stats, receiver._last_seq = ReceiverStats(), {}
@@ -149,10 +151,42 @@ def test_lost_and_malformed_messages_are_counted() -> None:
     receiver.handle(encode_records("a", 1, [record]))
     receiver.handle(encode_records("a", 2, [record, record]))
     receiver.handle(encode_counters("a", 5, EngineCounters(waiting=4), {}))  # 3 and 4 never arrived
-    receiver.handle(encode_records("b", 1, [record]))  # another sender starts its own count
+    receiver.handle(encode_records("b", 1, [record], dp_rank=1))  # another sender starts its own count
     receiver.handle(b"not json")
-    assert len(got) == 4 and states[0].counters.waiting == 4
-    assert receiver.stats.lost == 2 and receiver.stats.malformed == 1 and receiver.stats.messages == 4
+    receiver.handle(encode_records("c", 1, [record]).replace(b'"dp":0', b'"dp":-1'))  # no such rank
+    assert [rank for _, rank in got] == [0, 0, 0, 1] and states[0][0].counters.waiting == 4
+    assert receiver.stats.lost == 2 and receiver.stats.malformed == 2 and receiver.stats.messages == 4
+
+
+def test_data_parallel_ranks_are_labelled_and_add_up() -> None:
+    """Each engine core (rank) reports on its own; the page keeps them apart under dp_rank, and the
+    sums over dp_rank are the deployment's totals."""
+    now = [100.0]
+    state = RuntimeState(clock=lambda: now[0])
+    state.on_records([sample() for _ in range(3)], 0)
+    state.on_records([sample() for _ in range(5)] + [sample(reason="length")], 1)
+    state.on_engine_state(EngineState(EngineCounters(steps=10, waiting=1, running=2, tokens_scheduled_total=100,
+                                                     requests_arrived_total=3), {"file": (3, 0)}), 0)
+    state.on_engine_state(EngineState(EngineCounters(steps=30, waiting=4, running=2, tokens_scheduled_total=900,
+                                                     requests_arrived_total=6), {"file": (5, 1)}), 1)
+    text = exposition(make_registry(state.snapshot))
+    assert promtool_check(text).returncode == 0
+    page = values(text)
+    assert total(page, "carbonforge_requests_total", dp_rank="0", finish_reason="stop") == 3
+    assert total(page, "carbonforge_requests_total", dp_rank="1", finish_reason="stop") == 5
+    assert total(page, "carbonforge_requests_total") == 9
+    assert total(page, "carbonforge_requests_waiting", dp_rank="1") == 4
+    assert total(page, "carbonforge_requests_waiting") == 5
+    assert total(page, "carbonforge_engine_requests_arrived_total") == 9
+    assert total(page, "carbonforge_trace_records_written_total", dp_rank="1", sink="file") == 5
+    assert total(page, "carbonforge_trace_records_dropped_total") == 1
+    # the controller sees the whole deployment: both ranks' queues, the stalest report
+    now[0] = 103.0
+    state.on_engine_state(EngineState(EngineCounters(steps=20, waiting=0, running=1, tokens_scheduled_total=300)), 0)
+    signals = state.signals(now=104.0, window_s=60.0)
+    assert (signals.waiting, signals.running) == (4, 3)
+    assert signals.age_s == 4.0
+    assert signals.tokens_per_step == 20.0  # rank 0: 200 tokens over 10 steps; rank 1 has one report only
 
 
 def test_the_engine_side_never_blocks_when_the_runtime_does_not_read(tmp_path: Path) -> None:
@@ -180,8 +214,14 @@ def test_the_engine_side_never_blocks_when_the_runtime_does_not_read(tmp_path: P
 
 def test_records_sent_are_records_received(tmp_path: Path) -> None:
     got: list[RequestSample] = []
-    receiver = FeedReceiver(str(tmp_path / "f.sock"), got.extend, lambda s: None, LOG).start()
-    sink = FeedSink(str(tmp_path / "f.sock"))
+    ranks: set[int] = set()
+
+    def on_records(samples: list[RequestSample], rank: int) -> None:
+        got.extend(samples)
+        ranks.add(rank)
+
+    receiver = FeedReceiver(str(tmp_path / "f.sock"), on_records, lambda s, r: None, LOG).start()
+    sink = FeedSink(str(tmp_path / "f.sock"), dp_rank=3)
     record = {"scheduler_family": "trace", "finish_reason": "length", "queue_wait_s": 0.5, "ttft_s": 0.7,
               "e2e_latency_s": 2.0, "prompt_tokens": 30, "output_tokens": 40, "energy_j": 2.25,
               "prompt_text": "never sent", "output_text": "never sent"}
@@ -191,7 +231,7 @@ def test_records_sent_are_records_received(tmp_path: Path) -> None:
         time.sleep(0.01)
     sink.close()
     receiver.close()
-    assert len(got) == 1000 and receiver.stats.lost == 0
+    assert len(got) == 1000 and receiver.stats.lost == 0 and ranks == {3}
     assert got[0] == RequestSample("trace", "length", 0.5, 0.7, 2.0, 30, 40, 2.25)
 
 
