@@ -3,21 +3,29 @@ the tiny model with pipeline parallel 2 across them on vLLM's own multiprocessin
 chat completions go through the leader's API with the OpenAI SDK, the scheduler plug-in runs in the
 leader's engine (the plain variant: vLLM turns async scheduling off under pipeline parallel) and
 writes the trace; a SIGTERM to the leader stops both cleanly. A killed worker turns the leader's
-/health to 503 and stops the leader, naming the rank."""
+/health to 503 and stops the leader, naming the rank; a worker that never starts stops the leader
+after the join timeout, naming the rank; a killed leader stops its worker.
+
+Data parallel on one host (two engine cores): each rank writes its own trace file, the directory
+summarizes as one trace, and /metrics keeps the ranks apart under dp_rank with sums that add up."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import RuntimeProcess, descendants, free_port, tiny_model_dir
+from tests.support import REPO, RuntimeProcess, descendants, free_port, tiny_model_dir
 
 
 def read_records(path: Path, count: int, timeout_s: float = 20.0) -> list[dict[str, object]]:
@@ -40,22 +48,38 @@ def health(port: int) -> int | None:
         return None
 
 
-def start_group(tmp_path: Path) -> tuple[RuntimeProcess, RuntimeProcess]:
-    """A leader (tracing to ``leader/trace.jsonl``) and a worker, started together."""
+VLLM_ARGS = ["--", str(tiny_model_dir()), "--served-model-name", "tiny", "--dtype", "bfloat16",
+             "--max-model-len", "2048", "--max-num-seqs", "4", "--pipeline-parallel-size", "2"]
+
+
+def group_members(tmp_path: Path, join_timeout_s: int = 240) -> tuple[RuntimeProcess, RuntimeProcess]:
+    """A leader (tracing to ``leader/trace.jsonl``) and a worker, not yet started."""
     group = {"CF_NNODES": "2", "CF_MASTER_ADDR": "127.0.0.1", "CF_MASTER_PORT": str(free_port()),
-             "CF_GROUP_PORT": str(free_port()), "CF_JOIN_TIMEOUT_S": "240",
+             "CF_GROUP_PORT": str(free_port()), "CF_JOIN_TIMEOUT_S": str(join_timeout_s),
              # two "hosts" on one machine: both reach each other on loopback, each binds its own core
              "VLLM_HOST_IP": "127.0.0.1"}
-    vllm = ["--", str(tiny_model_dir()), "--served-model-name", "tiny", "--dtype", "bfloat16",
-            "--max-model-len", "2048", "--max-num-seqs", "4", "--pipeline-parallel-size", "2"]
     trace = tmp_path / "leader" / "trace.jsonl"
-    leader = RuntimeProcess(["--request-trace", "standard", "--trace-file", str(trace), *vllm], tmp_path / "leader",
-                            env={**group, "CF_NODE_RANK": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"})
-    worker = RuntimeProcess(vllm, tmp_path / "worker",
+    leader = RuntimeProcess(["--request-trace", "standard", "--trace-file", str(trace), *VLLM_ARGS],
+                            tmp_path / "leader", env={**group, "CF_NODE_RANK": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    worker = RuntimeProcess(VLLM_ARGS, tmp_path / "worker",
                             env={**group, "CF_NODE_RANK": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"})
+    return leader, worker
+
+
+def start_group(tmp_path: Path) -> tuple[RuntimeProcess, RuntimeProcess]:
+    leader, worker = group_members(tmp_path)
     leader.start()
     worker.start()
     return leader, worker
+
+
+def wait_for_text(runtime: RuntimeProcess, text: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while text not in runtime.output():
+        if time.monotonic() > deadline or runtime.proc.poll() is not None:  # type: ignore[union-attr]
+            return text in runtime.output()
+        time.sleep(0.2)
+    return True
 
 
 def test_a_leader_and_a_headless_worker_serve_one_model_across_two_hosts(tmp_path: Path) -> None:
@@ -119,3 +143,109 @@ def test_a_killed_worker_turns_the_leaders_health_to_503_and_stops_the_leader(tm
     finally:
         leader.kill()
         worker.kill()
+
+
+def test_a_worker_that_never_starts_stops_the_leader_naming_the_rank(tmp_path: Path) -> None:
+    leader, _ = group_members(tmp_path, join_timeout_s=30)
+    leader.start()
+    try:
+        assert wait_for_text(leader, "group: watching 1 worker(s)", 60), leader.output()
+        watching_at = time.monotonic()
+        time.sleep(5)  # vLLM's processes are up, waiting for rank 1
+        leader.known_children = descendants(leader.proc.pid)  # type: ignore[union-attr]
+        assert leader.known_children
+        code = leader.wait(timeout_s=30 + 25)  # the join timeout, then the engine's stop grace
+        assert code == 1, leader.output()
+        assert time.monotonic() - watching_at < 30 + 25
+        out = leader.output()
+        assert "worker rank 1 of the group did not join within 30 s" in out, out[-3000:]
+        assert not leader.leftover_children()
+    finally:
+        leader.kill()
+
+
+def test_a_killed_leader_stops_its_worker(tmp_path: Path) -> None:
+    leader, worker = start_group(tmp_path)
+    try:
+        assert wait_for_text(worker, "group: watching the leader", 120), worker.output()
+        worker.known_children = descendants(worker.proc.pid)  # type: ignore[union-attr]
+        # the leader's host goes away: the runtime and its engine die at once, nothing says goodbye
+        os.killpg(leader.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        killed_at = time.monotonic()
+        code = worker.wait(timeout_s=30)
+        assert time.monotonic() - killed_at < 30
+        assert code != 0, worker.output()
+        assert "leader 127.0.0.1" in worker.output() and "is gone" in worker.output(), worker.output()[-3000:]
+        assert not worker.leftover_children()
+    finally:
+        leader.kill()
+        worker.kill()
+
+
+# ---- data parallel on one host ------------------------------------------------------------------------
+
+
+def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return out
+
+
+def test_data_parallel_ranks_write_their_own_trace_files_and_metrics_add_up(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    metrics_port = free_port()
+    runtime = RuntimeProcess(
+        ["--metrics", "--request-trace", "standard", "--trace-file", str(traces / "requests.jsonl"), "--",
+         str(tiny_model_dir()), "--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", "2048",
+         "--max-num-seqs", "4", "--data-parallel-size", "2"],
+        tmp_path / "logs", env={"CF_METRICS_PORT": str(metrics_port), "VLLM_HOST_IP": "127.0.0.1"},
+    ).start()
+    try:
+        runtime.wait_ready(timeout_s=420)
+        assert "each rank writes its own file" in runtime.output()
+        client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i: int) -> str:
+            answer = client.completions.create(model="tiny", prompt=f"rank test {i}", max_tokens=8,
+                                               extra_body={"ignore_eos": True})
+            return answer.id
+
+        with ThreadPoolExecutor(8) as pool:  # concurrent, so vLLM's balancer uses both engine cores
+            sent = list(pool.map(ask, range(24)))
+        files = {rank: traces / f"requests.dp{rank}.jsonl" for rank in (0, 1)}
+        deadline = time.monotonic() + 20
+        while sum(len(f.read_text().splitlines()) for f in files.values() if f.exists()) < 24:
+            assert time.monotonic() < deadline, list(traces.iterdir())
+            time.sleep(0.5)
+        per_rank = {rank: [json.loads(line) for line in f.read_text().splitlines()] for rank, f in files.items()}
+        assert sorted(p.name for p in traces.iterdir()) == ["requests.dp0.jsonl", "requests.dp1.jsonl"]
+        assert all(per_rank.values()), {rank: len(r) for rank, r in per_rank.items()}  # both ranks served
+        ids = [r["request_id"] for records in per_rank.values() for r in records]
+        assert sorted(ids) == sorted(sent)  # each request in exactly one rank's file
+
+        summary = subprocess.run([sys.executable, "-m", "carbonforge_runtime", "trace", "summarize", str(traces),
+                                  "--json"], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert summary.returncode == 0, summary.stderr
+        assert json.loads(summary.stdout)["records"] == 24
+
+        deadline = time.monotonic() + 10
+        while True:  # the feed reports every half second
+            page = scrape(metrics_port)
+            requests = {labels["dp_rank"]: value for labels, value in page.get("carbonforge_requests_total", [])}
+            if sum(requests.values()) >= 24 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert requests == {str(rank): float(len(per_rank[rank])) for rank in (0, 1)}
+        written = {labels["dp_rank"]: value for labels, value in page["carbonforge_trace_records_written_total"]
+                   if labels["sink"] == "file"}
+        assert written == requests
+        arrived = {labels["dp_rank"]: value for labels, value in page["carbonforge_engine_requests_arrived_total"]}
+        assert sum(arrived.values()) == 24 and set(arrived) == {"0", "1"}
+        assert runtime.stop(signal.SIGTERM, timeout_s=90) == 0
+        assert runtime.engine_log().count("request trace: flushed at shutdown") == 2
+    finally:
+        runtime.kill()
