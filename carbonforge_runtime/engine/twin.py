@@ -310,3 +310,23 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
     if progress is not None:
         progress(completed, total, clock.now)
     return run
+
+
+#: Requests of the burst that measures capacity (the trace's first ones).
+CAPACITY_BURST = 2000
+
+
+def measure_capacity(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepCostModel) -> float:
+    """Steady-state capacity in requests a second: the first :data:`CAPACITY_BURST` requests all
+    arrive at once, and the completion rate between the 10th and the 90th percentile completion
+    is the capacity (requests / makespan would understate it, counting the ramp and the tail)."""
+    burst = [SimRequest(r.index, 0.0, r.prompt_tokens, r.output_tokens, r.blocks, r.block_tokens)
+             for r in requests[:CAPACITY_BURST]]
+    run = run_twin(burst, settings, cost)
+    done = sorted(o.completion_s for o in run.outcomes if o.completion_s is not None)
+    if len(done) < 10:
+        raise SimError(f"too few requests ({len(done)}) to measure capacity", "pass at least 10 requests with --load")
+    low, high = done[len(done) // 10], done[(len(done) * 9) // 10]
+    if high <= low:
+        return len(done) / max(run.makespan_s, 1e-9)
+    return ((len(done) * 9) // 10 - len(done) // 10) / (high - low)
