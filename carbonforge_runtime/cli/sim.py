@@ -95,7 +95,8 @@ def sim_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
 ) -> None:
     """Replay a trace through vLLM's real scheduler in virtual time and write the result as JSON."""
-    options = dict(trace=trace, context_key=context_key, family=family, param=param, rate=rate, load=load,
+    options: dict[str, Any] = dict(
+                   trace=trace, context_key=context_key, family=family, param=param, rate=rate, load=load,
                    token_scale=token_scale, start=start, limit=limit, cost_model=cost_model, kv_tokens=kv_tokens,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -133,8 +134,10 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
         dump_json,
         dump_jsonl,
         format_sim_table,
-        records as build_records,
         write_atomically,
+    )
+    from carbonforge_runtime.offline.sim.report import (
+        records as build_records,
     )
     from carbonforge_runtime.recipes import resolve
     from carbonforge_runtime.recipes.loader import load_recipes, recipe_dirs

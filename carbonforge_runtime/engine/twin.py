@@ -63,7 +63,8 @@ def _vllm_config(settings: TwinSettings, directory: str) -> Any:
     cache = CacheConfig(block_size=settings.block_size, cache_dtype="auto",
                         enable_prefix_caching=settings.enable_prefix_caching)
     cache.num_gpu_blocks = settings.kv_blocks
-    config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, device_config=DeviceConfig("cpu"))
+    config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache,
+                        device_config=DeviceConfig("cpu"))
     # The CPU platform turns these to its own values; the twin models the settings' engine.
     config.scheduler_config.async_scheduling = settings.async_scheduling
     config.scheduler_config.max_num_batched_tokens = settings.max_num_batched_tokens
@@ -221,10 +222,9 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
         admit(clock.now)
         if not scheduler.has_requests():
             if inflight is not None:
-                output, runner, sampled, end = inflight
+                clock.now = max(clock.now, inflight[3])
+                apply(inflight[0], inflight[1], inflight[2])
                 inflight = None
-                clock.now = max(clock.now, end)
-                apply(output, runner, sampled)
                 continue
             if arrived >= total:
                 break
@@ -288,9 +288,8 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
         if asynchronous:
             start = clock.now if inflight is None else max(clock.now, inflight[3])
             if inflight is not None:
-                previous = inflight
-                clock.now = max(clock.now, previous[3])
-                apply(previous[0], previous[1], previous[2])
+                clock.now = max(clock.now, inflight[3])
+                apply(inflight[0], inflight[1], inflight[2])
             inflight = (output, runner, sampled, start + step_s)
         else:
             clock.now += step_s

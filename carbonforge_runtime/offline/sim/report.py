@@ -8,6 +8,7 @@ Times are virtual seconds after the first arrival (in the per-request records, U
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -105,7 +106,8 @@ def build_document(*, trace: str, trace_kind: str, model: str, options: Mapping[
     for item in outcomes:
         entry = item.to_json()
         o = by_index[item.index]
-        entry.update({"ttft_s": _ttft(o), "queue_wait_s": None if o.scheduled_s is None else o.scheduled_s - o.arrival_s,
+        queue_wait = None if o.scheduled_s is None else o.scheduled_s - o.arrival_s
+        entry.update({"ttft_s": _ttft(o), "queue_wait_s": queue_wait,
                       "cached_prompt_tokens": o.cached_prompt_tokens, "preemptions": o.preemptions})
         requests.append(entry)
     return {
@@ -155,10 +157,8 @@ def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
         os.chmod(temp, 0o644)
         os.replace(temp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(temp)
-        except OSError:
-            pass
         raise
 
 
