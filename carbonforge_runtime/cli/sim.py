@@ -175,11 +175,12 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     sim_trace = load_trace(trace, mooncake_block_tokens)
     requests = window(sim_trace, window_options)
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
-    model_len = max_model_len or int(knobs.get("max_model_len") or max(longest, 8192))
+    model_len = max_model_len if max_model_len is not None else int(knobs.get("max_model_len") or max(longest, 8192))
     twin = TwinSettings(
         family=family_name, params=params,
-        max_num_seqs=max_num_seqs or int(knobs.get("max_num_seqs") or 1024),
-        max_num_batched_tokens=max_num_batched_tokens or int(knobs.get("max_num_batched_tokens") or 8192),
+        max_num_seqs=max_num_seqs if max_num_seqs is not None else int(knobs.get("max_num_seqs") or 1024),
+        max_num_batched_tokens=max_num_batched_tokens if max_num_batched_tokens is not None
+        else int(knobs.get("max_num_batched_tokens") or 8192),
         max_model_len=model_len,
         kv_tokens=kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens,
         enable_chunked_prefill=chunked_prefill if chunked_prefill is not None
