@@ -67,6 +67,11 @@ def test_sim_writes_replays_result_shape_and_records_trace_summarize_reads(tmp_p
     summary = runner.invoke(cli.app, ["trace", "summarize", str(records_path), "--json"])
     assert summary.exit_code == 0, summary.output
     assert json.loads(summary.output)["records"] == 60
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    plot = runner.invoke(cli.app, ["trace", "plot", str(records_path), "-o", str(png), "--window", "10s"])
+    assert plot.exit_code == 0, plot.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [
