@@ -28,6 +28,7 @@ def main() -> int:
     parser.add_argument("--family", default="fcfs")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--rate", type=float, default=1.0)
+    parser.add_argument("--sync", action="store_true", help="Synchronous scheduling (no step in flight).")
     parser.add_argument("--profile", action="store_true", help="Print the top of a cProfile of the loop.")
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
@@ -49,8 +50,10 @@ def main() -> int:
     t_load = time.perf_counter() - t0
     settings = TwinSettings(family=args.family, params={}, max_num_seqs=int(knobs["max_num_seqs"]),
                             max_num_batched_tokens=int(knobs["max_num_batched_tokens"]),
-                            max_model_len=int(knobs["max_model_len"]), kv_tokens=cost.kv_capacity_tokens)
+                            max_model_len=int(knobs["max_model_len"]), kv_tokens=cost.kv_capacity_tokens,
+                            async_scheduling=not args.sync)
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     if args.profile:
         import cProfile
         import pstats
@@ -61,12 +64,16 @@ def main() -> int:
     else:
         run = run_twin(requests, settings, cost)
     t_run = time.perf_counter() - t0
+    cpu_run = time.process_time() - cpu0
     done = sum(1 for o in run.outcomes if o.completion_s is not None)
-    print(f"trace            {args.trace.name}: {len(requests)} requests, family {args.family}, cost model {cost.name}")
+    print(f"trace            {args.trace.name}: {len(requests)} requests, family {args.family}, "
+          f"{args.context_key}, cost model {cost.name}, {'sync' if args.sync else 'async'} scheduling")
     print(f"import           {t_import:.1f} s (vLLM and the package)")
     print(f"load trace       {t_load:.2f} s")
-    print(f"simulate         {t_run:.1f} s wall (scheduler built inside)")
+    print(f"simulate         {t_run:.1f} s wall, {cpu_run:.1f} s CPU (scheduler built inside)")
     print(f"steps            {run.steps} ({run.steps / t_run:.0f} steps/s)")
+    request_steps = run.decode_tokens + run.steps
+    print(f"request-steps    about {request_steps} ({t_run / request_steps * 1e6:.1f} us each)")
     print(f"requests         {done} completed ({done / t_run:.0f} requests/s)")
     print(f"virtual time     {run.makespan_s:.0f} s")
     print(f"total            {t_load + t_run:.1f} s (target < 60 s on one core, import excluded)")
