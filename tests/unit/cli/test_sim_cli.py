@@ -134,3 +134,18 @@ def test_two_processes_write_identical_files(tmp_path: Path) -> None:
     assert (tmp_path / "a.json").read_bytes().replace(b"/a.", b"/x.") == \
         (tmp_path / "b.json").read_bytes().replace(b"/b.", b"/x.")
     assert (tmp_path / "a.requests.jsonl").read_bytes() == (tmp_path / "b.requests.jsonl").read_bytes()
+
+
+def test_load_sets_arrivals_from_the_measured_capacity(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    trace = mooncake(tmp_path / "m.jsonl", count=40)
+    out = tmp_path / "r.json"
+    result = runner.invoke(cli.app, ["sim", str(trace), "--context-key", KEY, "--load", "0.5", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "measured capacity" in result.output
+    doc = json.loads(out.read_text())
+    capacity = doc["sim"]["engine"]["measured_capacity_rps"]
+    assert capacity > 0 and doc["options"]["load"] == 0.5
+    arrivals = [r["scheduled_s"] for r in doc["requests"]]
+    offered = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+    assert offered == pytest.approx(0.5 * capacity, rel=1e-6)
