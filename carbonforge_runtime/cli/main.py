@@ -21,6 +21,7 @@ from carbonforge_runtime.cli.errors import run_guarded
 from carbonforge_runtime.cli.fetch import FETCH_EPILOG, fetch_command
 from carbonforge_runtime.cli.ltr import ltr_app
 from carbonforge_runtime.cli.replay import replay_command
+from carbonforge_runtime.cli.sim import pin_hash_seed, sim_command
 from carbonforge_runtime.cli.trace import trace_app
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.gpu.select import default_backend
@@ -56,6 +57,7 @@ recipes_app = typer.Typer(help="List and inspect the recipes this runtime knows.
 app.add_typer(recipes_app, name="recipes")
 app.add_typer(ltr_app, name="ltr")
 app.command("replay")(replay_command)
+app.command("sim")(sim_command)
 app.command("fetch", epilog=FETCH_EPILOG)(fetch_command)
 app.add_typer(trace_app, name="trace")
 from carbonforge_runtime.cli.license import license_app  # noqa: E402
@@ -274,4 +276,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     except CarbonForgeError as exc:
         typer.echo(exc.render(), err=True)
         raise SystemExit(exc.exit_code) from None
+    if command and command[0] == "sim":
+        pin_hash_seed(command)
     app(args=command, prog_name="carbonforge-runtime")

@@ -242,6 +242,9 @@ class _CarbonForgeMixin:
 
     _cf_writer: TraceWriter | None = None
     _cf_stopping = False
+    #: The clock of the request times (arrival, admission, first token, completion). The twin
+    #: (:mod:`carbonforge_runtime.engine.twin`) replaces it, and its waiting queue's, with virtual time.
+    _cf_clock: Callable[[], float] = staticmethod(time.time)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -360,7 +363,7 @@ class _CarbonForgeMixin:
         counters.waiting = len(self.waiting) + len(self.kv_holding_waiting)
         new_reqs = output.scheduled_new_reqs
         if self._cf_track and new_reqs:
-            now = time.time()
+            now = self._cf_clock()
             live = self._cf_live
             for new in new_reqs:
                 state = live.get(new.req_id)
@@ -378,7 +381,7 @@ class _CarbonForgeMixin:
             energy.step_ended(scheduler_output, time.monotonic(), scheduler_output.num_scheduled_tokens,
                               self.get_num_unfinished_requests() > 0)  # type: ignore[attr-defined]
         if self._cf_track:
-            now = time.time()
+            now = self._cf_clock()
             pending = self._cf_pending_first
             if pending:
                 still: list[_Live] = []
@@ -421,7 +424,7 @@ class _CarbonForgeMixin:
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         finished: list[Request] = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
         if self._cf_track and finished:
-            now = time.time()
+            now = self._cf_clock()
             live = self._cf_live
             for request in finished:
                 state: _Live | None = live.pop(request.request_id, None)
@@ -490,7 +493,7 @@ class _CarbonForgeMixin:
         if writer is not None and not writer.closed:
             # The engine is going away with requests it never finished: each still gets a record,
             # as an abort (vLLM tells their clients nothing more either).
-            now = time.time()
+            now = self._cf_clock()
             for state in list(self._cf_live.values()):
                 if not state.done:
                     self._cf_complete(state, now)

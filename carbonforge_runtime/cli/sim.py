@@ -1,0 +1,272 @@
+"""``carbonforge-runtime sim TRACE --context-key KEY``: replay a trace through the twin (vLLM's real
+scheduler in virtual time). Imports nothing heavy until it runs."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from carbonforge_runtime.cli.errors import run_guarded
+
+#: The hash seed the twin's results are reproducible under (vLLM iterates sets of request ids).
+HASH_SEED = "0"
+
+
+def pin_hash_seed(argv: list[str]) -> None:
+    """Run again under ``PYTHONHASHSEED=0`` unless already so: string hashing decides the order in
+    which vLLM walks its sets of request ids, and with it block eviction and cache hits."""
+    if os.environ.get("PYTHONHASHSEED") == HASH_SEED:
+        return
+    import carbonforge_runtime
+
+    # The same package again, whatever the working directory holds.
+    home = str(Path(carbonforge_runtime.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONHASHSEED=HASH_SEED, PYTHONPATH=home + (os.pathsep + path if path else ""))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "carbonforge_runtime", *argv], env)
+
+
+def _parse_params(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    from carbonforge_runtime.core.twin import SimError
+
+    params: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip():
+            raise SimError(f"--param {item!r} is not NAME=VALUE", "pass e.g. --param aging_rate=20")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, (dict, list)):
+            raise SimError(f"--param {name}: a family parameter is a number, a flag or a word",
+                           "pass e.g. --param max_overtake_s=60")
+        params[name.strip()] = value
+    return params
+
+
+def sim_command(
+    trace: Path = typer.Argument(..., help="A JSONL trace (standard or full level), an Azure-format CSV or a "
+                                 "Mooncake-format JSONL."),
+    context_key: str = typer.Option(..., "--context-key", help="The recipe whose engine is modelled."),
+    family: str | None = typer.Option(None, "--family", help="Try another ordering family (default: the recipe's)."),
+    param: list[str] = typer.Option([], "--param", help="A family parameter NAME=VALUE (repeatable)."),
+    rate: float = typer.Option(1.0, "--rate", help="Speed factor on the recorded inter-arrival times."),
+    load: float | None = typer.Option(None, "--load",
+                                      help="Set arrivals to this fraction of the twin's measured capacity "
+                                      "(replaces --rate), e.g. 0.9."),
+    token_scale: float = typer.Option(1.0, "--token-scale", help="Multiply prompt and output sizes."),
+    start: int = typer.Option(0, "--start", help="Skip this many requests of the trace."),
+    limit: int | None = typer.Option(None, "--limit", help="Simulate at most this many requests."),
+    cost_model: str | None = typer.Option(None, "--cost-model",
+                                          help="Step-time model: a shipped name or a YAML file (default: the "
+                                          "recipe's GPU and tensor-parallel size)."),
+    kv_tokens: int | None = typer.Option(None, "--kv-tokens", help="KV cache size in tokens (default: the cost "
+                                         "model's)."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="Override the recipe's max_num_seqs."),
+    max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens",
+                                                      help="Override the recipe's max_num_batched_tokens."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Override the recipe's max_model_len."),
+    long_prefill_token_threshold: int = typer.Option(0, "--long-prefill-token-threshold",
+                                                     help="vLLM's long-prefill threshold (0: vLLM's default)."),
+    chunked_prefill: bool | None = typer.Option(None, "--chunked-prefill/--no-chunked-prefill",
+                                                help="Override the recipe's enable_chunked_prefill."),
+    prefix_caching: bool | None = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                               help="Override the recipe's enable_prefix_caching."),
+    async_scheduling: bool | None = typer.Option(None, "--async-scheduling/--no-async-scheduling",
+                                                 help="One step in flight, as vLLM on a GPU (default: on for GPU "
+                                                 "recipes)."),
+    mooncake_block_tokens: int = typer.Option(512, "--mooncake-block-tokens",
+                                              help="Tokens one Mooncake hash id stands for."),
+    output: Path = typer.Option(Path("sim-result.json"), "--output", "-o", help="Where to write the JSON result."),
+    records: Path | None = typer.Option(None, "--records",
+                                        help="Per-request JSONL for trace summarize/plot (default: the output's "
+                                        "name with .requests.jsonl)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+) -> None:
+    """Replay a trace through vLLM's real scheduler in virtual time and write the result as JSON."""
+    options: dict[str, Any] = dict(
+                   trace=trace, context_key=context_key, family=family, param=param, rate=rate, load=load,
+                   token_scale=token_scale, start=start, limit=limit, cost_model=cost_model, kv_tokens=kv_tokens,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+                   chunked_prefill=chunked_prefill, prefix_caching=prefix_caching,
+                   async_scheduling=async_scheduling, mooncake_block_tokens=mooncake_block_tokens, output=output,
+                   records=records, quiet=quiet)
+    code = run_guarded(lambda: _run(**options))
+    raise typer.Exit(code)
+
+
+def _records_path(output: Path) -> Path:
+    name = output.name[:-5] if output.name.endswith(".json") else output.name
+    return output.with_name(name + ".requests.jsonl")
+
+
+def _check_output(path: Path, flag: str) -> None:
+    from carbonforge_runtime.core.twin import SimError
+
+    if path.is_dir():
+        raise SimError(f"{flag} {path} is a directory", f"pass {flag} FILE")
+
+
+def _run(*, trace: Path, context_key: str, family: str | None, param: list[str], rate: float, load: float | None,
+         token_scale: float, start: int, limit: int | None, cost_model: str | None, kv_tokens: int | None,
+         max_num_seqs: int | None, max_num_batched_tokens: int | None, max_model_len: int | None,
+         long_prefill_token_threshold: int, chunked_prefill: bool | None, prefix_caching: bool | None,
+         async_scheduling: bool | None, mooncake_block_tokens: int, output: Path, records: Path | None,
+         quiet: bool) -> int:
+    from carbonforge_runtime.core.ordering.registry import make_family
+    from carbonforge_runtime.core.step_models import resolve_model
+    from carbonforge_runtime.core.twin import SimError, TwinSettings
+    from carbonforge_runtime.offline.sim.inputs import WindowOptions, load_trace, window
+    from carbonforge_runtime.offline.sim.report import (
+        build_document,
+        dump_json,
+        dump_jsonl,
+        format_sim_table,
+        write_atomically,
+    )
+    from carbonforge_runtime.offline.sim.report import (
+        records as build_records,
+    )
+    from carbonforge_runtime.recipes import resolve
+    from carbonforge_runtime.recipes.loader import load_recipes, recipe_dirs
+    from carbonforge_runtime.settings import load_settings
+
+    def progress(line: str) -> None:
+        if not quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    records_path = records if records is not None else _records_path(output)
+    _check_output(output, "--output")
+    _check_output(records_path, "--records")
+    if records_path.resolve() == output.resolve():
+        raise SimError("--records and --output name the same file", "pass two different paths")
+    if load is not None and not (math.isfinite(load) and 0 < load <= 10):
+        raise SimError(f"load {load} must be a fraction of capacity above 0 (at most 10)",
+                       "pass e.g. --load 0.9 for 90% of the measured capacity")
+    if not 1 <= mooncake_block_tokens <= 1 << 20:
+        raise SimError(f"mooncake block tokens {mooncake_block_tokens} is out of range",
+                       "pass --mooncake-block-tokens 512 (the published traces' block size)")
+    window_options = WindowOptions(start=start, limit=limit, rate=rate, token_scale=token_scale)
+    window_options.validate()
+
+    settings = load_settings(os.environ)
+    recipe = resolve(context_key, load_recipes(recipe_dirs(settings.recipes_dir)))
+    knobs = recipe.vllm
+    family_name = family or recipe.scheduler.family
+    params = dict(recipe.scheduler.params) if family is None else {}
+    params.update(_parse_params(param))
+    make_family(family_name, params)  # refuses an unknown family or bad parameters now, with the fix
+    hardware = recipe.key.hardware
+    tp = int(knobs.get("tensor_parallel_size", 1) or 1)
+    cost = resolve_model(cost_model, None if hardware.is_cpu else hardware.family, tp)
+
+    sim_trace = load_trace(trace, mooncake_block_tokens)
+    requests = window(sim_trace, window_options)
+    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
+    model_len = max_model_len if max_model_len is not None else int(knobs.get("max_model_len") or max(longest, 8192))
+    twin = TwinSettings(
+        family=family_name, params=params,
+        max_num_seqs=max_num_seqs if max_num_seqs is not None else int(knobs.get("max_num_seqs") or 1024),
+        max_num_batched_tokens=max_num_batched_tokens if max_num_batched_tokens is not None
+        else int(knobs.get("max_num_batched_tokens") or 8192),
+        max_model_len=model_len,
+        kv_tokens=kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens,
+        enable_chunked_prefill=chunked_prefill if chunked_prefill is not None
+        else bool(knobs.get("enable_chunked_prefill", True)),
+        enable_prefix_caching=prefix_caching if prefix_caching is not None
+        else bool(knobs.get("enable_prefix_caching", True)),
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        block_size=int(knobs.get("block_size") or 16),
+        async_scheduling=async_scheduling if async_scheduling is not None else not hardware.is_cpu,
+    )
+    twin.validate()
+    if output.exists() and output.is_dir():
+        raise SimError(f"output {output} is a directory", "pass --output FILE.json")
+
+    # What the engine would refuse at the API server: the request never reaches the scheduler.
+    rejected: dict[int, str] = {}
+    for r in requests:
+        if r.prompt_tokens + r.output_tokens > twin.max_model_len:
+            rejected[r.index] = (f"http 400: {r.prompt_tokens} prompt + {r.output_tokens} output tokens exceed "
+                                 f"max-model-len {twin.max_model_len}")
+        elif r.prompt_tokens + r.output_tokens > twin.kv_tokens:
+            rejected[r.index] = f"too large: longer than the KV cache of {twin.kv_tokens} tokens"
+    served = [r for r in requests if r.index not in rejected]
+
+    if cost.proxy:
+        progress(f"sim: cost model {cost.name} is a PROXY ({cost.scaling_rule})")
+    if not served:
+        raise SimError(f"{trace}: every request is longer than max-model-len {twin.max_model_len} or the KV cache",
+                       "raise --max-model-len/--kv-tokens, or pass --token-scale below 1")
+
+    from carbonforge_runtime.engine.twin import measure_capacity, run_twin
+
+    effective_rate = rate
+    capacity: float | None = None
+    if load is not None:
+        capacity = measure_capacity(served, twin, cost)
+        span = served[-1].arrival_s - served[0].arrival_s
+        if span <= 0 or len(served) < 2:
+            raise SimError("--load needs at least two requests with different arrival times",
+                           "pass more requests (--limit) or use --rate")
+        offered = (len(served) - 1) / span
+        factor = load * capacity / offered
+        effective_rate = rate * factor
+        served = [type(r)(r.index, r.arrival_s / factor, r.prompt_tokens, r.output_tokens, r.blocks, r.block_tokens)
+                  for r in served]
+        progress(f"sim: measured capacity {capacity:.2f} req/s; load {load:g} -> {load * capacity:.2f} req/s "
+                 f"(rate x{effective_rate:.3g})")
+
+    progress(f"sim: {len(served)} requests from {trace} ({sim_trace.kind}) on {recipe.key_text} with family "
+             f"{family_name}, cost model {cost.name}" + (f", {len(rejected)} refused as too long" if rejected else ""))
+    started = time.monotonic()
+    last = [started]
+
+    def step_progress(done: int, total: int, now: float) -> None:
+        wall = time.monotonic()
+        if wall - last[0] >= 5.0:
+            last[0] = wall
+            progress(f"sim: {done}/{total} done, virtual {now:.0f} s, {wall - started:.0f} s")
+
+    run = run_twin(served, twin, cost, step_progress)
+    if rejected:
+        from carbonforge_runtime.core.twin import SimOutcome
+
+        merged = {o.index: o for o in run.outcomes}
+        for r in requests:
+            if r.index in rejected:
+                merged[r.index] = SimOutcome(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens,
+                                             finish_reason="error")
+        run.outcomes = [merged[r.index] for r in requests]
+    engine = {"recipe": recipe.key_text, "family": family_name, "params": params,
+              "max_num_seqs": twin.max_num_seqs, "max_num_batched_tokens": twin.max_num_batched_tokens,
+              "max_model_len": twin.max_model_len, "kv_tokens": twin.kv_tokens,
+              "enable_chunked_prefill": twin.enable_chunked_prefill,
+              "enable_prefix_caching": twin.enable_prefix_caching,
+              "long_prefill_token_threshold": twin.long_prefill_token_threshold, "block_size": twin.block_size,
+              "async_scheduling": twin.async_scheduling, "measured_capacity_rps": capacity}
+    document = build_document(
+        trace=str(trace), trace_kind=sim_trace.kind, model=recipe.model.served_name,
+        options={"rate": rate, "effective_rate": effective_rate, "load": load, "token_scale": token_scale,
+                 "start": start, "limit": limit, "cost_model": cost.name, "records": str(records_path)},
+        run=run, rejected=rejected, cost=cost, engine=engine)
+    rows = build_records(run, rejected, family_name, origin_s=0.0)
+    write_atomically(records_path, dump_jsonl(rows))
+    write_atomically(output, dump_json(document))
+    progress(f"sim: {run.steps} steps in {time.monotonic() - started:.1f} s")
+    print(format_sim_table(document))
+    print(f"result: {output}")
+    print(f"records: {records_path}")
+    return 0

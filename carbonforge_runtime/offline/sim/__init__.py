@@ -1,0 +1,1 @@
+"""``sim``: the inputs the twin replays (our traces, the Azure CSV, Mooncake JSONL) and its results."""

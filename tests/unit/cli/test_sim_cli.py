@@ -1,0 +1,151 @@
+"""``carbonforge-runtime sim``: the result files, clear refusals, and byte-identical output from two
+separate processes (issue 16, acceptance 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from carbonforge_runtime.cli import main as cli
+
+REPO = Path(__file__).resolve().parents[3]
+KEY = "qwen3-32b:fp8:chat:a100-80x1"
+runner = CliRunner()
+
+
+def mooncake(path: Path, count: int = 60, seed: int = 3) -> Path:
+    """A Mooncake-format trace with shared prefixes (a few system prompts, multi-turn growth)."""
+    rng = random.Random(seed)
+    rows = []
+    next_id = 1000
+    for i in range(count):
+        shared = [rng.randrange(4)] + ([10 + rng.randrange(3)] if rng.random() < 0.5 else [])
+        own = list(range(next_id, next_id + rng.randrange(1, 6)))
+        next_id += len(own)
+        ids = shared + own
+        rows.append({"timestamp": i * 150, "input_length": 512 * len(ids) - rng.randrange(300),
+                     "output_length": rng.randrange(1, 300), "hash_ids": ids})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def invoke(*args: str) -> object:
+    return runner.invoke(cli.app, ["sim", *args])
+
+
+def test_sim_writes_replays_result_shape_and_records_trace_summarize_reads(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from carbonforge_runtime.offline.replay.summary import summarize
+
+    trace = mooncake(tmp_path / "m.jsonl")
+    out = tmp_path / "out" / "r.json"
+    result = runner.invoke(cli.app, ["sim", str(trace), "--context-key", KEY, "-o", str(out), "--kv-tokens", "20000",
+                                     "--family", "ltr-promptlen", "--param", "max_overtake_s=30", "-q"])
+    assert result.exit_code == 0, result.output
+    assert "PROXY" in result.output and "prefix cache" in result.output
+    doc = json.loads(out.read_text())
+    assert list(doc)[:8] == ["trace", "trace_kind", "base_url", "model", "started_at", "options", "summary", "sim"]
+    assert set(doc["summary"]) == set(summarize([], 1.0))
+    assert doc["summary"]["ok"] == 60 and doc["trace_kind"] == "mooncake-jsonl"
+    sim = doc["sim"]
+    assert sim["proxy_cost_model"] is True and sim["cost_model"]["name"] == "a100-80-tp1"
+    assert sim["engine"]["family"] == "ltr-promptlen" and sim["engine"]["params"] == {"max_overtake_s": 30}
+    assert sim["prefix_cache"]["hit_rate"] > 0.1
+    assert sim["kv_use"]["timeline"] and 0 < sim["kv_use"]["max"] <= 1
+    for name in ("ttft_s", "queue_wait_s", "tpot_s"):
+        assert sim[name]["p99"] >= sim[name]["p50"] >= 0
+    records_path = tmp_path / "out" / "r.requests.jsonl"
+    records = [json.loads(line) for line in records_path.read_text().splitlines()]
+    assert len(records) == 60 and {r["scheduler_family"] for r in records} == {"ltr-promptlen"}
+    summary = runner.invoke(cli.app, ["trace", "summarize", str(records_path), "--json"])
+    assert summary.exit_code == 0, summary.output
+    assert json.loads(summary.output)["records"] == 60
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    plot = runner.invoke(cli.app, ["trace", "plot", str(records_path), "-o", str(png), "--window", "10s"])
+    assert plot.exit_code == 0, plot.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["missing.jsonl"], 1, "does not exist"),
+    (["TRACE", "--rate", "0"], 2, "--rate"),
+    (["TRACE", "--token-scale", "-1"], 2, "--token-scale"),
+    (["TRACE", "--limit", "0"], 2, "--limit"),
+    (["TRACE", "--load", "0"], 2, "--load"),
+    (["TRACE", "--family", "nope"], 2, "unknown scheduler family"),
+    (["TRACE", "--param", "no_equals"], 2, "NAME=VALUE"),
+    (["TRACE", "--family", "fcfs", "--param", "x=1"], 2, "takes no parameters"),
+    (["TRACE", "--cost-model", "nope"], 2, "no step-time model named"),
+    (["TRACE", "--cost-model", "BADMODEL"], 2, "missing field"),
+    (["TRACE", "--kv-tokens", "0"], 2, "kv-tokens"),
+    (["TRACE", "--max-num-seqs", "0"], 2, "max-num-seqs"),
+    (["TRACE", "--output", "DIR"], 2, "is a directory"),
+    (["TRACE", "--context-key", "cf-tiny:bf16:chat:cpu"], 2, "--cost-model"),
+    (["TRACE", "--context-key", "nope:bf16:chat:cpu"], 2, "no recipe"),
+    (["TRACE", "--max-model-len", "100"], 2, "max-model-len"),
+])
+def test_bad_input_is_refused_in_one_line_without_output(tmp_path: Path, args: list[str], code: int,
+                                                         message: str) -> None:
+    trace = mooncake(tmp_path / "m.jsonl", count=5)
+    bad_model = tmp_path / "bad.yaml"
+    bad_model.write_text("name: x\nversion: 1\n")
+    (tmp_path / "d").mkdir()
+    mapping = {"TRACE": str(trace), "BADMODEL": str(bad_model), "DIR": str(tmp_path / "d"),
+               "missing.jsonl": str(tmp_path / "missing.jsonl")}
+    argv = [mapping.get(a, a) for a in args]
+    if "--context-key" not in argv:
+        argv += ["--context-key", KEY]
+    out = tmp_path / "r.json"
+    if "--output" not in argv:
+        argv += ["--output", str(out)]
+    result = runner.invoke(cli.app, ["sim", *argv])
+    assert result.exit_code == code, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not out.exists() and not (tmp_path / "r.requests.jsonl").exists()
+
+
+def test_two_processes_write_identical_files(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    # KV pressure (preemption, eviction) and prefix sharing: where vLLM's set iteration order shows.
+    trace = mooncake(tmp_path / "m.jsonl", count=80, seed=5)
+    procs = []
+    for name, seed in (("a", "1"), ("b", "2")):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        env["PYTHONHASHSEED"] = seed  # each run pins 0 for itself by running again
+        env["PYTHONPATH"] = str(REPO)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "carbonforge_runtime", "sim", str(trace), "--context-key", KEY,
+             "--family", "hybrid", "--kv-tokens", "12000", "--rate", "4", "-q", "-o", str(tmp_path / f"{name}.json")],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr[-2000:]
+    a, _b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert a["sim"]["preemptions"]["total"] > 0 and a["sim"]["prefix_cache"]["hit_rate"] > 0
+    assert (tmp_path / "a.json").read_bytes().replace(b"/a.", b"/x.") == \
+        (tmp_path / "b.json").read_bytes().replace(b"/b.", b"/x.")
+    assert (tmp_path / "a.requests.jsonl").read_bytes() == (tmp_path / "b.requests.jsonl").read_bytes()
+
+
+def test_load_sets_arrivals_from_the_measured_capacity(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    trace = mooncake(tmp_path / "m.jsonl", count=40)
+    out = tmp_path / "r.json"
+    result = runner.invoke(cli.app, ["sim", str(trace), "--context-key", KEY, "--load", "0.5", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "measured capacity" in result.output
+    doc = json.loads(out.read_text())
+    capacity = doc["sim"]["engine"]["measured_capacity_rps"]
+    assert capacity > 0 and doc["options"]["load"] == 0.5
+    arrivals = [r["scheduled_s"] for r in doc["requests"]]
+    offered = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+    assert offered == pytest.approx(0.5 * capacity, rel=1e-6)
