@@ -105,6 +105,8 @@ def serve(
     trace_file: str | None = typer.Option(None, "--trace-file", help="Append one JSON line per request here."),
     trace_endpoint: str | None = typer.Option(None, "--trace-endpoint", help="OTLP collector URL."),
     trace_format: str | None = typer.Option(None, "--trace-format", help="Format for --trace-endpoint: otlp."),
+    step_log: str | None = typer.Option(None, "--step-log",
+                                        help="Append one JSON line per engine step here (for sim-calibrate)."),
     metrics: bool = typer.Option(False, "--metrics",
                                  help="Serve Prometheus metrics on CF_METRICS_PORT (default 9105)."),
     dry_run: bool = typer.Option(False, "--dry-run",
