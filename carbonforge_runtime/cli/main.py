@@ -21,7 +21,7 @@ from carbonforge_runtime.cli.errors import run_guarded
 from carbonforge_runtime.cli.fetch import FETCH_EPILOG, fetch_command
 from carbonforge_runtime.cli.ltr import ltr_app
 from carbonforge_runtime.cli.replay import replay_command
-from carbonforge_runtime.cli.sim import pin_hash_seed, sim_command
+from carbonforge_runtime.cli.sim import calibrate_command, pin_hash_seed, sim_command
 from carbonforge_runtime.cli.trace import trace_app
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.gpu.select import default_backend
@@ -58,6 +58,7 @@ app.add_typer(recipes_app, name="recipes")
 app.add_typer(ltr_app, name="ltr")
 app.command("replay")(replay_command)
 app.command("sim")(sim_command)
+app.command("sim-calibrate")(calibrate_command)
 app.command("fetch", epilog=FETCH_EPILOG)(fetch_command)
 app.add_typer(trace_app, name="trace")
 from carbonforge_runtime.cli.license import license_app  # noqa: E402

@@ -171,7 +171,7 @@ def engine_header(scheduler: Any) -> dict[str, Any]:
         if isinstance(value, (str, int, float, bool)) or value is None:
             header[name] = value
 
-    config = getattr(scheduler, "vllm_config", None)
+    config: Any = getattr(scheduler, "vllm_config", None)
     put("model", lambda: str(config.model_config.served_model_name or config.model_config.model))
     put("tensor_parallel_size", lambda: int(config.parallel_config.tensor_parallel_size))
     put("pipeline_parallel_size", lambda: int(config.parallel_config.pipeline_parallel_size))
