@@ -280,7 +280,8 @@ def calibrate_command(
     version: int = typer.Option(1, "--version", min=1, help="The model's version number."),
     gpu: str = typer.Option("unknown", "--gpu", help="The GPU the steps ran on, e.g. h100."),
     tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", min=1,
-                                                    help="Tensor-parallel size of the engine (default: the step log's, else 1)."),
+                                                    help="Tensor-parallel size of the engine (default: the step "
+                                                    "log's, else 1)."),
     kv_tokens: int | None = typer.Option(None, "--kv-tokens", min=16,
                                          help="KV cache size in tokens (default: the step log's, as the engine log's "
                                          "'GPU KV cache size')."),

@@ -88,6 +88,54 @@ def test_step_log_counts_a_chunked_prefill_by_hand(vllm_parts: dict[str, Any], m
     assert steps[0]["t"] < steps[-1]["t"]
 
 
+def test_asynchronous_scheduling_counts_the_same_and_times_completions(
+    vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM's AsyncScheduler: step k+1 is scheduled before step k's output is applied, with a
+    placeholder for the token step k will sample; the counts are those of the synchronous engine and
+    a busy engine's step lasts from one completion to the next."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    path = tmp_path / "steps.jsonl"
+    contract = EngineContract(Ordering("fcfs", {}), None, step_log=StepLogConfig(file=str(path), flush_timeout_s=5.0))
+    monkeypatch.setenv(CONTRACT_ENV, contract.to_json())
+    from carbonforge_runtime.engine import scheduler as plug_in
+
+    clock = FakeClock()
+    monkeypatch.setattr(plug_in, "time", types.SimpleNamespace(monotonic=clock, time=plug_in.time.time))
+    engine = Engine(vllm_parts, max_num_seqs=4, async_scheduling=True)
+    scheduler = engine.scheduler
+    assert type(scheduler).__name__ == "CarbonForgeAsyncScheduler"
+    engine.add("a", list(range(1, 301)), max_tokens=3)
+    engine.add("b", list(range(1001, 1301)), max_tokens=2)
+
+    def schedule() -> tuple[Any, Any]:
+        out = scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in ids]
+        return out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                      sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                      pooler_output=[])
+
+    inflight = schedule()  # step 1 starts at 1000
+    ends = []
+    for _ in range(3):
+        clock.now += 0.01
+        following = schedule()  # scheduled while the previous step runs
+        clock.now += 0.09
+        scheduler.update_from_output(*inflight)
+        ends.append(clock.now)
+        inflight = following
+    scheduler.shutdown()
+    _, *steps = _lines(path)
+    counts = [(s["batched_tokens"], s["prefill_tokens"], s["decode_tokens"], s["kv_read_tokens"],
+               s["attention_units"]) for s in steps]
+    assert counts == [(512, 512, 0, 0, 300 * 150 + 212 * 106), (89, 88, 1, 300, 88 * (212 + 44)),
+                      (2, 0, 2, 601, 0)]
+    # the first step from its scheduling, the others from the previous completion
+    assert [s["wall_s"] for s in steps] == pytest.approx([0.1, 0.1, 0.1])
+
+
 def test_an_engine_without_a_step_log_writes_none(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:
     monkeypatch.setenv(CONTRACT_ENV, EngineContract(Ordering("fcfs", {}), None).to_json())
