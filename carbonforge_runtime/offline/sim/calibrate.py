@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -69,10 +70,11 @@ class StepLogData:
     """The steps of one log, as columns."""
 
     path: Path
-    batched: list[int] = field(default_factory=list)
-    kv_read: list[int] = field(default_factory=list)
-    attention: list[float] = field(default_factory=list)
-    wall_ms: list[float] = field(default_factory=list)
+    # Columns of doubles (8 bytes a value: a log of MAX_STEPS steps stays in memory comfortably).
+    batched: array[float] = field(default_factory=lambda: array("d"))
+    kv_read: array[float] = field(default_factory=lambda: array("d"))
+    attention: array[float] = field(default_factory=lambda: array("d"))
+    wall_ms: array[float] = field(default_factory=lambda: array("d"))
     headers: list[dict[str, Any]] = field(default_factory=list)
     first_t: float | None = None
     last_t: float | None = None
