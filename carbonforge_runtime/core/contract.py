@@ -113,9 +113,10 @@ class StepLogConfig:
 
     file: str  # absolute path of the JSONL file
     #: Steps waiting between the engine loop and the writer thread; beyond this they are dropped.
-    queue_capacity: int = 200_000
-    #: Lines the file sink may hold while it retries; beyond this they are dropped.
-    sink_capacity: int = 200_000
+    #: Each holds the step's SchedulerOutput until the thread reads it (normally within 0.1 s).
+    queue_capacity: int = 10_000
+    #: Lines the file sink may hold while it retries (minutes of steps); beyond this they are dropped.
+    sink_capacity: int = 50_000
     #: Lines per append.
     batch_max: int = 4096
     #: How often drops are reported (a warning in the engine log) while they happen.

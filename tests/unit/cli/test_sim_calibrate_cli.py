@@ -91,3 +91,8 @@ def test_refusals(tmp_path: Path, make: str | None, args: list[str], code: int, 
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "m.yaml").exists()
+
+
+def test_the_container_command_line_reaches_both_commands() -> None:
+    assert cli._dispatch(["sim-calibrate", "steps.jsonl"], {}) == ["sim-calibrate", "steps.jsonl"]
+    assert cli._dispatch(["--step-log", "/tmp/s.jsonl", "--context-key", KEY], {})[:2] == ["serve", "--step-log"]
