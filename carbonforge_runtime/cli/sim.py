@@ -272,6 +272,11 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     return 0
 
 
+#: Below this R2, or above this p90 relative error, sim-calibrate warns that the fit is poor.
+POOR_FIT_R2 = 0.8
+POOR_FIT_P90 = 0.3
+
+
 def calibrate_command(
     step_log: Path = typer.Argument(..., help="A step log (serve --step-log), plain or gzip JSONL."),
     output: Path = typer.Option(Path("step-model.yaml"), "--output", "-o",
@@ -342,6 +347,10 @@ def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu
           (f" ({data.skipped} skipped)" if data.skipped else "") +
           (f", {data.empty} without tokens left out" if data.empty else ""))
     print(format_fit(fit))
+    if fit.r2 < POOR_FIT_R2 or fit.p90_rel_error > POOR_FIT_P90:
+        print(f"sim-calibrate: warning: a poor fit (R2 {fit.r2:.2f}, p90 relative error {fit.p90_rel_error:.0%}): "
+              "the step times vary for reasons the model does not see (other load on the host, step jitter, "
+              "features it leaves out); simulations with this model inherit that error", file=sys.stderr)
     print(f"model: {output} ({model.describe()}, KV capacity {model.kv_capacity_tokens} tokens); "
           f"use it with sim --cost-model {output}")
     return 0

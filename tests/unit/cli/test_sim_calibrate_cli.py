@@ -96,3 +96,16 @@ def test_refusals(tmp_path: Path, make: str | None, args: list[str], code: int, 
 def test_the_container_command_line_reaches_both_commands() -> None:
     assert cli._dispatch(["sim-calibrate", "steps.jsonl"], {}) == ["sim-calibrate", "steps.jsonl"]
     assert cli._dispatch(["--step-log", "/tmp/s.jsonl", "--context-key", KEY], {})[:2] == ["serve", "--step-log"]
+
+
+def test_a_poor_fit_is_written_with_a_warning(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(5)
+    steps = synthetic_steps(shipped_models()["l4-tp1"], 100, noise=0.0)
+    for s in steps:
+        s["wall_s"] = rng.uniform(0.001, 0.1)  # unrelated to the tokens
+    log = write_log(tmp_path / "s.jsonl", [header(), *steps])
+    result = runner.invoke(cli.app, ["sim-calibrate", str(log), "-o", str(tmp_path / "m.yaml")])
+    assert result.exit_code == 0 and "a poor fit" in result.output
+    assert load_model_file(tmp_path / "m.yaml").proxy is False
