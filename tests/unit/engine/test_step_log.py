@@ -167,10 +167,13 @@ def test_asynchronous_steps_are_timed_from_the_previous_steps_end(tmp_path: Path
     assert [(item[1], item[2], item[3]) for item in intake] == [(0.0, 5.0, 1), (5.0, 9.0, 2), (20.0, 21.5, 3)]
 
 
-def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
+def test_a_full_queue_drops_counts_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     log = StepLog(StepLogConfig(file=str(tmp_path / "s.jsonl"), queue_capacity=2), 0, logging.getLogger("test"))
-    for i in range(5):
-        o = _out(1)
+    outputs = [_out(1) for _ in range(5)]  # kept alive, so that no two share an id
+    for i, o in enumerate(outputs):
         log.scheduled(o, float(i))
         log.updated(o, i + 0.5)
     assert log.writer.intake_dropped == 3 and log.writer.dropped()["queue"] == 3
+    with caplog.at_level(logging.WARNING, logger="test"):
+        log.writer.report()
+    assert "step log: records dropped" in caplog.text and "3 dropped before reaching any sink" in caplog.text
