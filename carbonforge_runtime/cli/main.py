@@ -21,7 +21,7 @@ from carbonforge_runtime.cli.errors import run_guarded
 from carbonforge_runtime.cli.fetch import FETCH_EPILOG, fetch_command
 from carbonforge_runtime.cli.ltr import ltr_app
 from carbonforge_runtime.cli.replay import replay_command
-from carbonforge_runtime.cli.sim import pin_hash_seed, sim_command
+from carbonforge_runtime.cli.sim import calibrate_command, pin_hash_seed, sim_command
 from carbonforge_runtime.cli.trace import trace_app
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.gpu.select import default_backend
@@ -58,6 +58,7 @@ app.add_typer(recipes_app, name="recipes")
 app.add_typer(ltr_app, name="ltr")
 app.command("replay")(replay_command)
 app.command("sim")(sim_command)
+app.command("sim-calibrate")(calibrate_command)
 app.command("fetch", epilog=FETCH_EPILOG)(fetch_command)
 app.add_typer(trace_app, name="trace")
 from carbonforge_runtime.cli.license import license_app  # noqa: E402
@@ -105,6 +106,8 @@ def serve(
     trace_file: str | None = typer.Option(None, "--trace-file", help="Append one JSON line per request here."),
     trace_endpoint: str | None = typer.Option(None, "--trace-endpoint", help="OTLP collector URL."),
     trace_format: str | None = typer.Option(None, "--trace-format", help="Format for --trace-endpoint: otlp."),
+    step_log: str | None = typer.Option(None, "--step-log",
+                                        help="Append one JSON line per engine step here (for sim-calibrate)."),
     metrics: bool = typer.Option(False, "--metrics",
                                  help="Serve Prometheus metrics on CF_METRICS_PORT (default 9105)."),
     dry_run: bool = typer.Option(False, "--dry-run",

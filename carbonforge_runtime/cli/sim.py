@@ -270,3 +270,87 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     print(f"result: {output}")
     print(f"records: {records_path}")
     return 0
+
+
+#: Below this R2, or above this p90 relative error, sim-calibrate warns that the fit is poor.
+POOR_FIT_R2 = 0.8
+POOR_FIT_P90 = 0.3
+
+
+def calibrate_command(
+    step_log: Path = typer.Argument(..., help="A step log (serve --step-log), plain or gzip JSONL."),
+    output: Path = typer.Option(Path("step-model.yaml"), "--output", "-o",
+                                help="Where to write the fitted step-time model (YAML, for sim --cost-model)."),
+    name: str | None = typer.Option(None, "--name", help="The model's name (default: the output file's stem)."),
+    version: int = typer.Option(1, "--version", min=1, help="The model's version number."),
+    gpu: str = typer.Option("unknown", "--gpu", help="The GPU the steps ran on, e.g. h100."),
+    tensor_parallel_size: int | None = typer.Option(None, "--tensor-parallel-size", min=1,
+                                                    help="Tensor-parallel size of the engine (default: the step "
+                                                    "log's, else 1)."),
+    kv_tokens: int | None = typer.Option(None, "--kv-tokens", min=16,
+                                         help="KV cache size in tokens (default: the step log's, as the engine log's "
+                                         "'GPU KV cache size')."),
+    skip_first: int = typer.Option(0, "--skip-first", min=0, help="Leave out the log's first N steps (warm-up)."),
+) -> None:
+    """Fit a step-time model to an engine's step log by least squares and write it for sim --cost-model."""
+    code = run_guarded(lambda: _calibrate(step_log, output, name, version, gpu, tensor_parallel_size, kv_tokens,
+                                          skip_first))
+    raise typer.Exit(code)
+
+
+def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu: str,
+               tensor_parallel_size: int | None, kv_tokens: int | None, skip_first: int) -> int:
+    from carbonforge_runtime.core.twin import SimError
+    from carbonforge_runtime.offline.sim.calibrate import (
+        ModelInfo,
+        check_model_text,
+        engine_facts,
+        fit_steps,
+        format_fit,
+        model_text,
+        provenance,
+        read_step_log,
+    )
+    from carbonforge_runtime.offline.sim.report import write_atomically
+
+    _check_output(output, "--output")
+    if output.exists() and step_log.exists() and output.resolve() == step_log.resolve():
+        raise SimError("--output names the step log itself", "pass another path for the model, e.g. -o model.yaml")
+    if not output.name.endswith((".yaml", ".yml")):
+        raise SimError(f"--output {output} does not end in .yaml", "sim --cost-model reads a path ending in .yaml "
+                       "or .yml: pass e.g. -o step-model.yaml")
+    model_name = (name if name is not None else output.name.rsplit(".", 1)[0]).strip()
+    if not model_name or not gpu.strip():
+        raise SimError("--name and --gpu must not be empty", "pass e.g. --name h100-tp2-fitted --gpu h100")
+    data = read_step_log(step_log, skip_first)
+    facts = engine_facts(data.headers)
+    kv = kv_tokens if kv_tokens is not None else facts.get("kv_cache_tokens")
+    if not isinstance(kv, int) or isinstance(kv, bool) or kv < 16:
+        raise SimError(f"{step_log}: no KV cache size in the log (its engine lines are missing or disagree)",
+                       "pass --kv-tokens N with the engine log's 'GPU KV cache size: N tokens'")
+    tp = tensor_parallel_size if tensor_parallel_size is not None else facts.get("tensor_parallel_size", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        tp = 1
+    fit = fit_steps(data.batched, data.kv_read, data.attention, data.wall_ms)
+    info = ModelInfo(model_name[:200], version, gpu.strip()[:200], tp, kv)
+    text = model_text(fit, info, provenance(data, fit, facts, str(step_log)))
+    model = check_model_text(text, output)
+
+    def write(handle: Any) -> None:
+        handle.write(text)
+
+    write_atomically(output, write)
+    if data.truncated:
+        print(f"sim-calibrate: the log has more than {len(data.wall_ms)} steps; the fit uses the first "
+              f"{len(data.wall_ms)}", file=sys.stderr)
+    print(f"sim-calibrate: {fit.steps} steps from {step_log}" +
+          (f" ({data.skipped} skipped)" if data.skipped else "") +
+          (f", {data.empty} without tokens left out" if data.empty else ""))
+    print(format_fit(fit))
+    if fit.r2 < POOR_FIT_R2 or fit.p90_rel_error > POOR_FIT_P90:
+        print(f"sim-calibrate: warning: a poor fit (R2 {fit.r2:.2f}, p90 relative error {fit.p90_rel_error:.0%}): "
+              "the step times vary for reasons the model does not see (other load on the host, step jitter, "
+              "features it leaves out); simulations with this model inherit that error", file=sys.stderr)
+    print(f"model: {output} ({model.describe()}, KV capacity {model.kv_capacity_tokens} tokens); "
+          f"use it with sim --cost-model {output}")
+    return 0

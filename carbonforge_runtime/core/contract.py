@@ -1,9 +1,9 @@
 """The engine contract: everything the runtime tells the code it loads inside vLLM's engine.
 
-One frozen, versioned tree of plain dataclasses. The runtime builds it (the ordering and the trace
-parts in the launch plan, the metrics feed and the energy meter when it starts them), serialises it
-once into :data:`CONTRACT_ENV` on the vLLM process, and the engine-core process, which inherits
-the variable, parses it once when the scheduler is constructed. Each part except the ordering is
+One frozen, versioned tree of plain dataclasses. The runtime builds it (the ordering, the trace
+and the step-log parts in the launch plan, the metrics feed and the energy meter when it starts
+them), serialises it once into :data:`CONTRACT_ENV` on the vLLM process, and the engine-core
+process, which inherits the variable, parses it once when the scheduler is constructed. Each part except the ordering is
 optional: ``None`` means the runtime asked for nothing of that kind.
 
 Why an environment variable: ``--additional-config`` would also reach the engine, but it changes
@@ -131,11 +131,31 @@ class EnergyMetering:
 
 
 @dataclass(frozen=True)
+class StepLogConfig:
+    """The engine's step log: one JSON line per engine step (tokens scheduled, KV read, wall time),
+    the input of ``sim-calibrate``. Off unless the runtime asks (``--step-log``)."""
+
+    file: str  # absolute path of the JSONL file
+    #: Steps waiting between the engine loop and the writer thread; beyond this they are dropped.
+    #: Each holds the step's SchedulerOutput until the thread reads it (normally within 0.1 s).
+    queue_capacity: int = 10_000
+    #: Lines the file sink may hold while it retries (minutes of steps); beyond this they are dropped.
+    sink_capacity: int = 50_000
+    #: Lines per append.
+    batch_max: int = 4096
+    #: How often drops are reported (a warning in the engine log) while they happen.
+    report_interval_s: float = 10.0
+    #: Time allowed at engine shutdown to write what is still queued.
+    flush_timeout_s: float = 4.0
+
+
+@dataclass(frozen=True)
 class EngineContract:
     ordering: Ordering = field(default_factory=Ordering)
     tracing: TraceConfig | None = None
     metrics_feed: MetricsFeed | None = None
     energy_meter: EnergyMetering | None = None
+    step_log: StepLogConfig | None = None
 
     @property
     def builds_records(self) -> bool:
@@ -196,6 +216,7 @@ _PARTS: dict[str, type] = {
     "otlp": OtlpTarget,
     "metrics_feed": MetricsFeed,
     "energy_meter": EnergyMetering,
+    "step_log": StepLogConfig,
 }
 _T = TypeVar("_T")
 

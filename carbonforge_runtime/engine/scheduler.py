@@ -5,9 +5,10 @@ It subclasses the stock V1 scheduler of the pinned vLLM and overrides only publi
 normal completion), ``finish_requests`` (aborts and errors), ``has_requests`` and ``shutdown``
 (write every queued record before the engine exits, see :meth:`_CarbonForgeMixin.has_requests`).
 Per step it does a handful of attribute writes plus work proportional to the requests admitted
-or finished in that step; records leave through :class:`~carbonforge_runtime.engine.trace_writer.TraceWriter`,
-which never blocks the loop. A family that reorders replaces ``self.waiting`` with
-:class:`ScoredQueue`.
+or finished in that step (with the step log on, two clock reads, a dict write and pop and one
+append: :mod:`~carbonforge_runtime.engine.step_log`); records leave through
+:class:`~carbonforge_runtime.engine.trace_writer.TraceWriter`, which never blocks the loop. A
+family that reorders replaces ``self.waiting`` with :class:`ScoredQueue`.
 
 This is the only module that imports vLLM.
 """
@@ -25,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from vllm import __version__ as VLLM_VERSION
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -38,6 +40,7 @@ from carbonforge_runtime.core.ordering.registry import make_family, pick_next
 from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, Decoder, build_record, client_request_id
 from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
 from carbonforge_runtime.engine.metrics_feed import attach as attach_feed
+from carbonforge_runtime.engine.step_log import StepLog, start_step_log
 from carbonforge_runtime.engine.trace_sinks import build_sinks
 from carbonforge_runtime.engine.trace_writer import TraceWriter
 
@@ -241,6 +244,7 @@ class _CarbonForgeMixin:
     structured_output_manager: Any
 
     _cf_writer: TraceWriter | None = None
+    _cf_steps: StepLog | None = None
     _cf_stopping = False
     #: The clock of the request times (arrival, admission, first token, completion). The twin
     #: (:mod:`carbonforge_runtime.engine.twin`) replaces it, and its waiting queue's, with virtual time.
@@ -267,6 +271,10 @@ class _CarbonForgeMixin:
         if contract.builds_records:
             self._cf_writer = self._cf_start_writer(contract)
             self._cf_counters = self._cf_writer.counters
+        self._cf_steps: StepLog | None = None
+        if contract.step_log is not None:
+            self._cf_steps = start_step_log(contract.step_log, self, log, VLLM_VERSION)
+        if self._cf_writer is not None or self._cf_steps is not None:
             atexit.register(self._cf_close)
         self._cf_watch_shutdown_signal()
         # Per-request bookkeeping only when something consumes it.
@@ -276,11 +284,12 @@ class _CarbonForgeMixin:
         base = "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler"
         trace = contract.tracing
         log.info(
-            "CarbonForge scheduler on vLLM %s: family %s (%s), request trace %s%s",
+            "CarbonForge scheduler on vLLM %s: family %s (%s), request trace %s%s, step log %s",
             base, self._cf_family_name,
             "reorders the waiting queue" if self._cf_family.reorders else "vLLM's order",
             trace.level if trace else "off",
             f" to {', '.join(w.sink.name for w in self._cf_writer.workers)}" if self._cf_writer else "",
+            contract.step_log.file if contract.step_log else "off",
         )
 
     def _cf_start_writer(self, contract: EngineContract) -> TraceWriter:
@@ -334,6 +343,8 @@ class _CarbonForgeMixin:
                 self._cf_abort_at = time.monotonic() + abort_delay(timeout_s, flush_s)
             if self._cf_writer is not None:
                 self._cf_writer.hurry()
+            if self._cf_steps is not None:
+                self._cf_steps.hurry()
             previous(signum, frame)
 
         signal.signal(signal.SIGTERM, on_sigterm)
@@ -352,7 +363,11 @@ class _CarbonForgeMixin:
         self._cf_counters.requests_arrived_total += 1
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        steps = self._cf_steps
+        entered = time.monotonic() if steps is not None else 0.0
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if steps is not None:
+            steps.scheduled(output, entered)
         energy = self._cf_energy
         if energy is not None:
             energy.step_started(output, time.monotonic())
@@ -376,6 +391,9 @@ class _CarbonForgeMixin:
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        steps = self._cf_steps
+        if steps is not None:
+            steps.updated(scheduler_output, time.monotonic())
         energy = self._cf_energy
         if energy is not None:
             energy.step_ended(scheduler_output, time.monotonic(), scheduler_output.num_scheduled_tokens,
@@ -442,7 +460,7 @@ class _CarbonForgeMixin:
         """
         if super().has_requests():  # type: ignore[misc]
             return True
-        if self._cf_stopping and self._cf_writer is not None:
+        if self._cf_stopping and (self._cf_writer is not None or self._cf_steps is not None):
             self._cf_close()
         return False
 
@@ -501,6 +519,8 @@ class _CarbonForgeMixin:
             writer.close()
         if self._cf_energy is not None:
             self._cf_energy.close()
+        if self._cf_steps is not None:
+            self._cf_steps.close()
 
     @property
     def cf_counters(self) -> EngineCounters:

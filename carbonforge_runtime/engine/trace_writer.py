@@ -45,8 +45,9 @@ class SinkWorker:
     """
 
     def __init__(self, sink: Sink, config: TraceConfig, log: logging.Logger,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, label: str = "request trace") -> None:
         self.sink = sink
+        self.label = label
         self.config = config
         self.log = log
         self.clock = clock
@@ -150,7 +151,7 @@ class SinkWorker:
                 if self._settle(len(batch), True):
                     return
                 if recovered:
-                    self.log.warning("request trace: sink %s works again", self.sink.name)
+                    self.log.warning("%s: sink %s works again", self.label, self.sink.name)
                 backoff = self.config.backoff_initial_s
                 break
 
@@ -161,8 +162,8 @@ class SinkWorker:
             self.stats.last_error = error
         if first:
             self.log.warning(
-                "request trace: sink %s failed: %s; serving continues, the sink retries with backoff and "
-                "every record it gives up on is counted", self.sink.name, error,
+                "%s: sink %s failed: %s; serving continues, the sink retries with backoff and "
+                "every record it gives up on is counted", self.label, self.sink.name, error,
             )
 
     def begin_close(self, deadline: float) -> None:
@@ -192,7 +193,7 @@ class SinkWorker:
         try:
             self.sink.close()
         except Exception as exc:
-            self.log.warning("request trace: closing sink %s failed: %s", self.sink.name, exc)
+            self.log.warning("%s: closing sink %s failed: %s", self.label, self.sink.name, exc)
 
 
 class TraceWriter:
@@ -205,13 +206,16 @@ class TraceWriter:
         config: TraceConfig,
         log: logging.Logger,
         clock: Callable[[], float] = time.monotonic,
+        label: str = "request trace",
     ) -> None:
+        #: What the log lines call this writer's output.
+        self.label = label
         self.config = config
         self.build = build
         self.log = log
         self.clock = clock
         self.counters = EngineCounters()
-        self.workers = [SinkWorker(sink, config, log, clock) for sink in sinks]
+        self.workers = [SinkWorker(sink, config, log, clock, label) for sink in sinks]
         self._intake: deque[Any] = deque()
         self.intake_dropped = 0
         self._intake_reported = 0
@@ -261,7 +265,7 @@ class TraceWriter:
             except Exception as exc:  # a bad record must not stop the others
                 self.build_failed += 1
                 self._building -= 1
-                self.log.warning("request trace: could not build a record: %s", exc)
+                self.log.warning("%s: could not build a record: %s", self.label, exc)
             if len(records) >= self.config.batch_max:
                 self._offer(records)
                 records = []
@@ -309,7 +313,7 @@ class TraceWriter:
                              f"({stats.dropped} in total; {reasons})")
         if lines:
             when = "at shutdown" if final else f"in the last {self.config.report_interval_s:g} s"
-            self.log.warning("request trace: records dropped %s: %s", when, " | ".join(lines))
+            self.log.warning("%s: records dropped %s: %s", self.label, when, " | ".join(lines))
 
     @property
     def closed(self) -> bool:
@@ -336,7 +340,7 @@ class TraceWriter:
         for worker in self.workers:
             worker.close(deadline)
         self.report(final=True)
-        self.log.info("request trace: flushed at shutdown; %s", self.shutdown_summary())
+        self.log.info("%s: flushed at shutdown; %s", self.label, self.shutdown_summary())
         return self.dropped()
 
     def shutdown_summary(self) -> str:

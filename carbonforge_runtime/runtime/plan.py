@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from carbonforge_runtime.core.api_contract import EFFORTS
-from carbonforge_runtime.core.contract import TraceConfig, full_level_banner_lines
+from carbonforge_runtime.core.contract import StepLogConfig, TraceConfig, full_level_banner_lines
 from carbonforge_runtime.core.ordering.registry import make_family
 from carbonforge_runtime.core.redaction import redact_args, redact_url
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
@@ -68,6 +68,8 @@ class ServeOptions:
     trace_file: str | None = None
     trace_endpoint: str | None = None
     trace_format: str | None = None
+    #: Append one JSON line per engine step here (for sim-calibrate); None: no step log.
+    step_log: str | None = None
     metrics: bool = False
     dry_run: bool = False
     #: Do not run the pre-flight checks, so that a failing one cannot stop the launch.
@@ -192,6 +194,7 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
         present = BUILTIN_WEIGHTS if recipe.model.builtin else weights_present
         trace = _trace_per_rank(launch, trace, messages)
         _place(launch, group, messages)
+        _step_log(launch, options, cwd, messages)
         privacy = _privacy(launch, recipe.model.repo, present, environ, messages)
         cache = _compile_cache(launch, settings, environ, messages)
         _api_access(launch, messages)
@@ -211,6 +214,7 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     messages += [Message("info", line) for line in launch.notes]
     trace = _trace_per_rank(launch, trace, messages)
     _place(launch, group, messages)
+    _step_log(launch, options, cwd, messages)
     privacy = _privacy(launch, model, weights_present, environ, messages)
     cache = _compile_cache(launch, settings, environ, messages)
     _api_access(launch, messages)
@@ -243,6 +247,31 @@ def _place(launch: LaunchPlan, group: Group | None, messages: list[Message]) -> 
     if not group.leader:
         messages.append(Message("info", "group: a worker runs vLLM headless (no API server); the leader "
                                         f"{group.master_addr} serves the API"))
+
+
+def step_log_path(step_log: str | None, cwd: str | None = None) -> str | None:
+    """The absolute path ``--step-log`` names (None without one); an empty value is refused."""
+    if step_log is None:
+        return None
+    if not step_log.strip():
+        raise UsageError("--step-log is empty",
+                         "give a file path, e.g. --step-log /var/log/carbonforge/steps.jsonl")
+    return os.path.abspath(os.path.join(cwd or os.getcwd(), os.path.expanduser(step_log.strip())))
+
+
+def _step_log(launch: LaunchPlan, options: ServeOptions, cwd: str | None, messages: list[Message]) -> None:
+    """Ask the engine's scheduler for the step log (``--step-log``), through the engine contract."""
+    path = step_log_path(options.step_log, cwd)
+    if path is None:
+        return
+    if launch.contract is None:
+        raise UsageError(
+            f"the step log is written by the CarbonForge scheduler, but --scheduler-cls "
+            f"{user_scheduler_cls(launch.argv) or '?'} replaces it",
+            "remove --scheduler-cls from the vLLM arguments, or drop --step-log",
+        )
+    launch.contract = replace(launch.contract, step_log=StepLogConfig(file=path))
+    messages.append(Message("info", f"step log: one line per engine step to {path} (for sim-calibrate)"))
 
 
 def api_keys_required(launch: LaunchPlan) -> bool:
@@ -380,6 +409,8 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
         out.append(f"engine environment: withheld from vLLM: {', '.join(withheld)} "
                    f"(CF_ENGINE_ENV_PASS passes more)")
     out.append(f"request trace:      {describe_trace(plan.trace, options)}")
+    step_log = plan.launch.contract.step_log if plan.launch.contract is not None else None
+    out.append(f"step log:           {step_log.file if step_log is not None else 'off'}")
     out += [f"trace export:       {line}" for line in trace_export_lines(plan.trace, environ)]
     for line in launch.departures:
         out.append(f"departure:          {line}")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from carbonforge_runtime import files
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.core.api_contract import GROUP_DOWN_VARIABLE
-from carbonforge_runtime.core.contract import TraceConfig
+from carbonforge_runtime.core.contract import EngineContract, TraceConfig
 from carbonforge_runtime.errors import CarbonForgeError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
@@ -173,6 +173,23 @@ def _create_trace_file(trace: TraceConfig | None) -> None:
                                    trace.file)
 
 
+def _create_step_log(contract: EngineContract | None) -> None:
+    """Create the step log's file (and its directory) before the engine starts, so that a path that
+    cannot be written stops the launch here instead of costing every step's line."""
+    if contract is None or contract.step_log is None:
+        return
+    path = contract.step_log.file
+    try:
+        create_trace_file(path, private=False)
+    except files.SymlinkRefused as exc:
+        raise exc.as_error() from None
+    except OSError as exc:
+        raise CarbonForgeError(
+            f"cannot create the step log {path} ({exc.strerror or exc})",
+            "give --step-log a path in a writable directory (e.g. on the /var/log/carbonforge volume)",
+        ) from None
+
+
 def _log_dir(settings: Settings) -> Path:
     path = settings.log_dir
     try:
@@ -253,6 +270,7 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
             "make the log directory writable (the /var/log/carbonforge volume, or CF_LOG_DIR)",
         ) from None
     _create_trace_file(prepared.trace)
+    _create_step_log(plan.contract)
     if plan.serves_api:  # a headless worker serves no API for the healthcheck to probe
         _record_serve_address(log_dir, plan.host, plan.port)
     if plan.recipe and plan.recipe.model.builtin:

@@ -1,0 +1,195 @@
+"""The engine's step log: one JSON line per engine step, for fitting a step-time model
+(``carbonforge-runtime sim-calibrate``). Off unless the engine contract has a ``step_log`` part.
+
+On the engine loop the scheduler calls two hooks: :meth:`StepLog.scheduled` (one dict write) and
+:meth:`StepLog.updated` (a dict pop, a few compares and one tuple append to the writer's intake).
+The tuple holds vLLM's own ``SchedulerOutput`` of the step: everything a line reports is read from
+it on the writer's builder thread, never on the loop. That output is built fresh for every step
+and holds each scheduled request's context as it was before the step (``num_computed_tokens`` of
+its new and cached request data), which is what the step computed on; vLLM 0.32 does not change
+those fields once ``schedule()`` returned.
+
+Records leave through the request trace's machinery (:class:`~carbonforge_runtime.engine.trace_writer.TraceWriter`
+with a :class:`~carbonforge_runtime.engine.trace_sinks.JsonlSink`): a bounded intake, a writer
+thread, appends under a file lock, and every line given up on counted and reported in the engine log.
+
+**Wall time.** A step's ``wall_s`` runs from the later of ``schedule()`` being entered and the end
+of the previous step, to the end of ``update_from_output()`` for that step's output (measured with
+the monotonic clock). With synchronous scheduling (the CPU engine, or async scheduling off) this is
+scheduling, the forward pass and the output processing of one step. With asynchronous scheduling
+(vLLM's GPU default) step k+1 is scheduled while step k runs, so while the engine is busy the
+measure is the time between two consecutive step completions: the step's own forward pass plus
+whatever host work did not overlap it. Not included: the engine core's handling of new requests and
+of finished outputs between two steps, and idle time. Steps that schedule no token are not logged.
+
+Line kinds (``kind``):
+
+- ``engine``: written once when the scheduler starts: vLLM's version, the model, parallel sizes,
+  the scheduler limits and the KV cache size in tokens (``kv_cache_tokens``: blocks x block size).
+- ``step``: ``step`` (a number per engine), ``t`` (Unix time of the step's end), ``wall_s``,
+  ``batched_tokens``, ``prefill_tokens`` (tokens of prompt chunks and recomputation),
+  ``decode_tokens`` (requests decoding one token), ``seqs`` (requests in the step),
+  ``kv_read_tokens`` (the context of every decoding request), ``attention_units`` (the sum of
+  ``chunk * (context + chunk / 2)`` over the prompt chunks) and ``context_tokens`` (the context of
+  every scheduled request). The split between decoding and prompt work is the twin's
+  (:mod:`carbonforge_runtime.engine.twin`), so a fit of these terms is a fit of its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from carbonforge_runtime.core.contract import StepLogConfig, TraceConfig
+from carbonforge_runtime.engine.trace_sinks import JsonlSink
+from carbonforge_runtime.engine.trace_writer import TraceWriter
+
+LABEL = "step log"
+#: Steps scheduled and not yet ended that the log remembers (one or two in flight normally; more
+#: only when outputs never reach ``update_from_output``, e.g. after an engine error).
+MAX_OPEN_STEPS = 64
+
+
+def step_record(output: Any, start: float, end: float, number: int, engine: int,
+                unix_offset: float) -> dict[str, Any]:
+    """The line of one step, from its ``SchedulerOutput`` (on the writer thread)."""
+    scheduled: Mapping[str, int] = output.num_scheduled_tokens
+    prefill = decode = kv_read = context_all = 0
+    attention = 0.0
+    for new in output.scheduled_new_reqs:
+        n = scheduled.get(new.req_id, 0)
+        if not n:
+            continue
+        context = new.num_computed_tokens
+        context_all += context
+        if n == 1 and context >= new.prompt_len:
+            decode += 1
+            kv_read += context
+        else:
+            prefill += n
+            attention += n * (context + n / 2)
+    cached = output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for rid, context, outputs in zip(cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens,
+                                     strict=False):
+        n = scheduled.get(rid, 0)
+        if not n:
+            continue
+        context_all += context
+        # Past its prompt (it has sampled), one token, and not recomputing after a preemption.
+        if n == 1 and outputs > 0 and rid not in resumed:
+            decode += 1
+            kv_read += context
+        else:
+            prefill += n
+            attention += n * (context + n / 2)
+    return {
+        "kind": "step", "engine": engine, "step": number, "t": round(end + unix_offset, 6),
+        "wall_s": round(end - start, 7), "batched_tokens": int(output.total_num_scheduled_tokens),
+        "prefill_tokens": prefill, "decode_tokens": decode, "seqs": len(scheduled),
+        "kv_read_tokens": kv_read, "attention_units": attention, "context_tokens": context_all,
+    }
+
+
+class StepLogWriter(TraceWriter):
+    def shutdown_summary(self) -> str:
+        per_sink = ", ".join(f"{w.sink.name}: {w.stats.written} written, {w.stats.dropped} dropped"
+                             for w in self.workers) or "none"
+        return (f"{self.submitted} lines submitted; {self.intake_dropped + self.build_failed} dropped before "
+                f"the file; {per_sink}")
+
+
+class StepLog:
+    """The loop's side: :meth:`scheduled` and :meth:`updated`; everything else on the writer's threads."""
+
+    def __init__(self, config: StepLogConfig, engine: int, log: logging.Logger,
+                 clock: Any = time.monotonic, wall_clock: Any = time.time) -> None:
+        self.config = config
+        self.engine = engine
+        self.clock = clock
+        self._unix_offset = wall_clock() - clock()
+        limits = TraceConfig(level="standard", file=config.file, queue_capacity=config.queue_capacity,
+                             sink_capacity=config.sink_capacity, batch_max=config.batch_max,
+                             report_interval_s=config.report_interval_s, flush_timeout_s=config.flush_timeout_s)
+        self.writer = StepLogWriter([JsonlSink(config.file)], self._build, limits, log, clock, label=LABEL)
+        self._starts: dict[int, float] = {}
+        self._last_end = float("-inf")
+        self.steps = 0
+
+    def start(self, header: Mapping[str, Any]) -> StepLog:
+        self.writer.start()
+        self.writer.submit({"kind": "engine", "engine": self.engine,
+                            "t": round(self.clock() + self._unix_offset, 6), **header})
+        return self
+
+    def _build(self, item: Any) -> dict[str, Any]:
+        if isinstance(item, dict):
+            return item
+        output, start, end, number = item
+        return step_record(output, start, end, number, self.engine, self._unix_offset)
+
+    # -- engine loop: O(1), never raises --
+
+    def scheduled(self, output: object, entered: float) -> None:
+        starts = self._starts
+        if len(starts) >= MAX_OPEN_STEPS:
+            starts.clear()
+        starts[id(output)] = entered
+
+    def updated(self, output: Any, ended: float) -> None:
+        start = self._starts.pop(id(output), None)
+        if start is None:
+            return
+        if start < self._last_end:
+            start = self._last_end
+        self._last_end = ended
+        if output.total_num_scheduled_tokens:
+            self.steps += 1
+            self.writer.submit((output, start, ended, self.steps))
+
+    # -- shutdown --
+
+    def hurry(self) -> None:
+        self.writer.hurry()
+
+    def close(self) -> None:
+        if not self.writer.closed:
+            self.writer.close()
+
+
+def engine_header(scheduler: Any) -> dict[str, Any]:
+    """What the ``engine`` line says about the engine (each part best effort: never raises)."""
+    header: dict[str, Any] = {}
+
+    def put(name: str, read: Any) -> None:
+        try:
+            value = read()
+        except Exception:
+            return
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            header[name] = value
+
+    config: Any = getattr(scheduler, "vllm_config", None)
+    put("model", lambda: str(config.model_config.served_model_name or config.model_config.model))
+    put("tensor_parallel_size", lambda: int(config.parallel_config.tensor_parallel_size))
+    put("pipeline_parallel_size", lambda: int(config.parallel_config.pipeline_parallel_size))
+    put("data_parallel_rank", lambda: int(config.parallel_config.data_parallel_rank))
+    put("async_scheduling", lambda: bool(config.scheduler_config.async_scheduling))
+    put("max_num_seqs", lambda: int(config.scheduler_config.max_num_seqs))
+    put("max_num_batched_tokens", lambda: int(config.scheduler_config.max_num_batched_tokens))
+    put("enable_chunked_prefill", lambda: bool(config.scheduler_config.enable_chunked_prefill))
+    put("enable_prefix_caching", lambda: bool(config.cache_config.enable_prefix_caching))
+    put("block_size", lambda: int(scheduler.block_size))
+    put("kv_cache_groups", lambda: len(scheduler.kv_cache_config.kv_cache_groups))
+    put("kv_cache_tokens", lambda: int(scheduler.kv_cache_config.num_blocks) * int(scheduler.block_size))
+    return header
+
+
+def start_step_log(config: StepLogConfig, scheduler: Any, log: logging.Logger, vllm_version: str) -> StepLog:
+    header = {"vllm": vllm_version, **engine_header(scheduler)}
+    engine = header.get("data_parallel_rank", 0)
+    step_log = StepLog(config, engine if isinstance(engine, int) else 0, log).start(header)
+    log.info("step log: one line per engine step to %s (for sim-calibrate)", config.file)
+    return step_log
