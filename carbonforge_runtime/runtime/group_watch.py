@@ -94,9 +94,12 @@ class _Peer:
 class LeaderWatch:
     """The leader's side: listens on ``port`` and follows every worker rank 1..nnodes-1."""
 
-    def __init__(self, nnodes: int, port: int, join_timeout_s: float, host: str = "") -> None:
+    def __init__(self, nnodes: int, port: int, join_timeout_s: float, host: str = "",
+                 on_join: Callable[[str], None] | None = None) -> None:
         self.nnodes = nnodes
         self.join_timeout_s = join_timeout_s
+        #: Told a line for the log when a worker joins (or joins again).
+        self.on_join = on_join
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.5)
         self.port = int(self._server.getsockname()[1])
@@ -160,6 +163,10 @@ class LeaderWatch:
             old.close()
         with contextlib.suppress(OSError):
             peer.send("welcome")
+        if self.on_join is not None:
+            again = " again" if old is not None else ""
+            self.on_join(f"group: worker rank {hello[1]} joined{again} ({len(self.joined())} of "
+                         f"{self.nnodes - 1} worker(s))")
         peer.run()
 
     def close(self, farewell: bool = False) -> None:
@@ -180,9 +187,12 @@ class LeaderWatch:
 class WorkerWatch:
     """A worker's side: keeps a connection to the leader's watch port."""
 
-    def __init__(self, rank: int, nnodes: int, leader: str, port: int, join_timeout_s: float) -> None:
+    def __init__(self, rank: int, nnodes: int, leader: str, port: int, join_timeout_s: float,
+                 on_join: Callable[[str], None] | None = None) -> None:
         self.rank, self.nnodes, self.leader, self.port = rank, nnodes, leader, port
         self.join_timeout_s = join_timeout_s
+        #: Told a line for the log once the leader welcomed this worker.
+        self.on_join = on_join
         self._peer: _Peer | None = None
         self._problem: str | None = None
         self._welcomed = threading.Event()
@@ -224,6 +234,8 @@ class WorkerWatch:
         def on_line(line: str) -> None:
             if line == "welcome":
                 self._welcomed.set()
+                if self.on_join is not None:
+                    self.on_join(f"group: joined the leader {where} as rank {self.rank} of {self.nnodes} hosts")
             elif line == "bye":
                 self.farewell = True
             elif line == "refused":

@@ -335,11 +335,12 @@ def _watch_group(group: Group | None, log_dir: Path, engine_env: dict[str, str],
 
     if not group.leader:
         watch = group_watch.WorkerWatch(group.rank, group.nnodes, group.master_addr, group.watch_port,
-                                        group.join_timeout_s).start()
+                                        group.join_timeout_s, on_join=logger.info).start()
         logger.info("group: watching the leader %s:%d", group.master_addr, group.watch_port)
         return group_watch.WorkerHooks(watch)
     try:
-        leader = group_watch.LeaderWatch(group.nnodes, group.watch_port, group.join_timeout_s).start()
+        leader = group_watch.LeaderWatch(group.nnodes, group.watch_port, group.join_timeout_s,
+                                     on_join=logger.info).start()
     except OSError as exc:
         raise CarbonForgeError(
             f"the group's watch port {group.watch_port} cannot be opened ({exc.strerror or exc})",

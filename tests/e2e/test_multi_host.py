@@ -167,7 +167,9 @@ def test_a_worker_that_never_starts_stops_the_leader_naming_the_rank(tmp_path: P
 def test_a_killed_leader_stops_its_worker(tmp_path: Path) -> None:
     leader, worker = start_group(tmp_path)
     try:
-        assert wait_for_text(worker, "group: watching the leader", 120), worker.output()
+        # once the worker has joined (before that, a missing leader is waited for up to the join timeout)
+        assert wait_for_text(worker, "group: joined the leader", 120), worker.output()
+        assert wait_for_text(leader, "group: worker rank 1 joined (1 of 1 worker(s))", 10), leader.output()
         worker.known_children = descendants(worker.proc.pid)  # type: ignore[union-attr]
         # the leader's host goes away: the runtime and its engine die at once, nothing says goodbye
         os.killpg(leader.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]

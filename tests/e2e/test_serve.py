@@ -91,16 +91,17 @@ def test_serves_cf_context_key_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert len([line for line in out.splitlines() if "engine starting: " not in line]) < 30
         assert "vllm.entrypoints.openai.api_server" in runtime.engine_log()
         chat_both_ways(runtime.base_url, TINY_SERVED_NAME)
-        assert container_healthcheck(runtime.port) == 0
+        assert container_healthcheck(runtime) == 0
         stop_cleanly(runtime, drain_s=15)
-        assert container_healthcheck(runtime.port) == 1
+        assert container_healthcheck(runtime) == 1
     finally:
         runtime.kill()
 
 
-def container_healthcheck(port: int) -> int:
-    """The image's HEALTHCHECK command, run outside the image."""
-    env = {**os.environ, "CF_PORT": str(port)}
+def container_healthcheck(runtime: RuntimeProcess) -> int:
+    """The image's HEALTHCHECK command, run outside the image, with the runtime's log directory
+    (where the runtime records the address it serves)."""
+    env = {**os.environ, "CF_PORT": str(runtime.port), "CF_LOG_DIR": str(runtime.log_dir)}
     return subprocess.run([sys.executable, str(REPO / "docker" / "healthcheck.py")], env=env, timeout=30).returncode
 
 

@@ -62,6 +62,19 @@ def test_workers_join_and_a_healthy_group_has_no_problem(leader: LeaderWatch) ->
         worker.close()
 
 
+def test_each_join_is_told_to_the_log_on_both_sides() -> None:
+    said: list[str] = []
+    leader = LeaderWatch(2, free_port(), join_timeout_s=30, host="127.0.0.1", on_join=said.append).start()
+    worker = WorkerWatch(1, 2, "127.0.0.1", leader.port, join_timeout_s=10, on_join=said.append).start()
+    try:
+        until(lambda: len(said) == 2)
+        assert sorted(said) == [f"group: joined the leader 127.0.0.1:{leader.port} as rank 1 of 2 hosts",
+                                "group: worker rank 1 joined (1 of 1 worker(s))"]
+    finally:
+        worker.close()
+        leader.close()
+
+
 def test_a_worker_that_leaves_is_named_by_the_leader(leader: LeaderWatch) -> None:
     join(leader, 1)
     second = join(leader, 2)
