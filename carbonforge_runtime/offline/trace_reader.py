@@ -60,16 +60,18 @@ def loads_line(line: bytes | str) -> Any:
         raise ValueError("nested too deeply to be a trace record") from None
 
 
-def check_readable(path: Path) -> None:
+def check_readable(path: Path, kind: str = "trace file", written_by: str = "--trace-file of the runtime") -> None:
+    """Refuse, with the fix, a ``kind`` of file (written by the runtime's ``written_by``) that is missing,
+    a directory or unreadable."""
     if not path.exists():
-        raise TraceInputError(f"trace file {path} does not exist", "check the path (--trace-file of the runtime)")
+        raise TraceInputError(f"{kind} {path} does not exist", f"check the path ({written_by})")
     if path.is_dir():
-        raise TraceInputError(f"{path} is a directory, not a trace file", "pass the JSONL file itself")
+        raise TraceInputError(f"{path} is a directory, not a {kind}", "pass the JSONL file itself")
     try:
         with path.open("rb"):
             pass
     except OSError as exc:
-        raise TraceInputError(f"trace file {path} cannot be read ({exc.strerror})",
+        raise TraceInputError(f"{kind} {path} cannot be read ({exc.strerror})",
                               "check the file's permissions") from None
 
 

@@ -149,26 +149,37 @@ def create_trace_file(path: str, private: bool) -> bool:
         os.close(fd)
 
 
+def _create_before_launch(path: str, what: str, flag: str, private: bool = False) -> bool:
+    """Create the file ``path`` that the engine will append to (see :func:`create_trace_file`), or
+    refuse the launch with the fix (``what`` names it, ``flag`` is the option that set it)."""
+    try:
+        return create_trace_file(path, private=private)
+    except files.SymlinkRefused as exc:
+        raise exc.as_error() from None
+    except OSError as exc:
+        raise CarbonForgeError(
+            f"cannot create the {what} {path} ({exc.strerror or exc})",
+            f"give {flag} a path in a writable directory (e.g. on the /var/log/carbonforge volume)",
+        ) from None
+
+
 def _create_trace_file(trace: TraceConfig | None) -> None:
     """Create the JSONL file before the engine starts (owner-only at the full level); with data
     parallel, the file of each rank this host runs is created by that rank's engine core, so only
     its directory is made and checked here."""
     if trace is None or not trace.file:
         return
-    try:
-        if trace.data_parallel_size > 1:
-            directory = os.path.dirname(trace.file) or "."
+    if trace.data_parallel_size > 1:
+        directory = os.path.dirname(trace.file) or "."
+        try:
             files.probe_writable(directory)
-            return
-        tightened = create_trace_file(trace.file, private=trace.full)
-    except files.SymlinkRefused as exc:
-        raise exc.as_error() from None
-    except OSError as exc:
-        raise CarbonForgeError(
-            f"cannot create the trace file {trace.file} ({exc.strerror or exc})",
-            "give --trace-file a path in a writable directory (e.g. on the /var/log/carbonforge volume)",
-        ) from None
-    if tightened:
+        except OSError as exc:
+            raise CarbonForgeError(
+                f"cannot create the trace files of the data-parallel ranks in {directory} ({exc.strerror or exc})",
+                "give --trace-file a path in a writable directory (e.g. on the /var/log/carbonforge volume)",
+            ) from None
+        return
+    if _create_before_launch(trace.file, "trace file", "--trace-file", private=trace.full):
         cflog.get_logger().warning("trace file %s existed with a wider mode: now readable by its owner only",
                                    trace.file)
 
@@ -178,16 +189,7 @@ def _create_step_log(contract: EngineContract | None) -> None:
     cannot be written stops the launch here instead of costing every step's line."""
     if contract is None or contract.step_log is None:
         return
-    path = contract.step_log.file
-    try:
-        create_trace_file(path, private=False)
-    except files.SymlinkRefused as exc:
-        raise exc.as_error() from None
-    except OSError as exc:
-        raise CarbonForgeError(
-            f"cannot create the step log {path} ({exc.strerror or exc})",
-            "give --step-log a path in a writable directory (e.g. on the /var/log/carbonforge volume)",
-        ) from None
+    _create_before_launch(contract.step_log.file, "step log", "--step-log")
 
 
 def _log_dir(settings: Settings) -> Path:

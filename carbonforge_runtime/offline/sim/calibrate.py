@@ -44,6 +44,7 @@ from carbonforge_runtime.offline.trace_reader import (
     MAX_REQUEST_TOKENS,
     DamagedInput,
     TraceInputError,
+    check_readable,
     line_batches,
     loads_line,
 )
@@ -106,22 +107,9 @@ def _real(path: Path, line: int, record: Mapping[str, Any], name: str, low: floa
     raise _fail(path, line, f"{name}={str(raw)[:40]} is not a number {bound} and at most {high:g}")
 
 
-def check_readable(path: Path) -> None:
-    if not path.exists():
-        raise TraceInputError(f"step log {path} does not exist", "check the path (--step-log of serve)")
-    if path.is_dir():
-        raise TraceInputError(f"{path} is a directory, not a step log", "pass the JSONL file itself")
-    try:
-        with path.open("rb"):
-            pass
-    except OSError as exc:
-        raise TraceInputError(f"step log {path} cannot be read ({exc.strerror})",
-                              "check the file's permissions") from None
-
-
 def read_step_log(path: Path, skip_first: int = 0, max_steps: int = MAX_STEPS) -> StepLogData:
     """Every step of the log (plain or gzip JSONL), validated; raises with the file and line."""
-    check_readable(path)
+    check_readable(path, "step log", "--step-log of serve")
     data = StepLogData(path)
     number = 0
     try:

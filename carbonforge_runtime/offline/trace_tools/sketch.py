@@ -32,6 +32,7 @@ from carbonforge_runtime.core.quantiles import nearest_rank
 ALPHA = 0.01
 GAMMA = (1.0 + ALPHA) / (1.0 - ALPHA)
 _INV_LOG_GAMMA = 1.0 / math.log(GAMMA)
+_MIDPOINT = 2.0 * GAMMA / (GAMMA + 1.0)
 #: Values at or below this go to the zero bucket (absolute error at most this much).
 MIN_VALUE = 1e-6
 
@@ -122,7 +123,9 @@ class QuantileSketch:
         for index, count in self._sorted_items():
             seen += count
             if seen > rank:
-                estimate = 2.0 * GAMMA**index / (GAMMA + 1.0)
+                # the bucket's midpoint 2 * GAMMA**index / (GAMMA + 1), from its lower bound, which is
+                # below a value it holds: GAMMA**index itself overflows for values near the largest float
+                estimate = GAMMA ** (index - 1) * _MIDPOINT
                 return min(max(estimate, self.min), self.max)
         return self.max  # not reached: the counts add up to self.count
 

@@ -88,6 +88,12 @@ def test_sketch_quantiles_within_relative_bound_and_merge_like_one_stream(values
     assert whole.count == len(values)
 
 
+def test_sketch_of_values_near_the_largest_float_answers_without_overflow() -> None:
+    sketch = QuantileSketch()
+    sketch.add_many([1.0, 1.7e308, 1.79e308])
+    assert sketch.quantiles([0.5, 0.9, 0.99]) == pytest.approx([1.7e308, 1.79e308, 1.79e308], rel=0.01)
+
+
 def test_sketch_memory_is_bounded_by_the_value_range_not_the_count() -> None:
     sketch = QuantileSketch()
     rng = random.Random(3)
