@@ -1,5 +1,7 @@
 """Opening the files the runtime and the engine write in directories others may also write to (the
-log directory, the trace file's directory, the cache): never through a symbolic link.
+log directory, the trace file's directory, the cache): never through a symbolic link. And opening the
+files an operator names for reading (a licence, a model file, a trace, a TLS certificate): never
+anything that could block the read (a FIFO without a writer, a device).
 
 A link planted where one of our files belongs (``vllm.log``, ``runtime.log``, a trace file) would
 make us append to, chmod or truncate whatever it points at. So every such file is opened with
@@ -14,6 +16,7 @@ import errno
 import os
 import secrets
 import stat
+from typing import BinaryIO
 
 from carbonforge_runtime.errors import CarbonForgeError
 
@@ -38,15 +41,35 @@ class SymlinkRefused(OSError):
         return CarbonForgeError(self.message, self.remedy)
 
 
-class NotRegularFile(OSError):
-    """``path`` is a directory, a FIFO, a device or a socket, not a file to append to."""
+#: The fix for a path that names something other than a regular file.
+NOT_REGULAR_REMEDY = ("name a regular file: a FIFO, socket, device or directory is never read or written, "
+                      "since it could block the runtime or never end")
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(errno.EINVAL, "is not a regular file", os.fspath(path))
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+class NotRegularFile(OSError):
+    """``path`` is a directory, a FIFO, a device or a socket, not a regular file to read or append to."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: int | None = None) -> None:
+        kind = _kind(mode) if mode is not None else "not a regular file"
+        reason = "not a regular file" if kind == "not a regular file" else f"{kind}, not a regular file"
+        super().__init__(errno.EINVAL, reason, os.fspath(path))
         self.path = os.fspath(path)
+        self.remedy = NOT_REGULAR_REMEDY
 
     def __str__(self) -> str:
-        return f"{self.path} is not a regular file"
+        return f"{self.path} is {self.strerror}"
+
+    def as_error(self) -> CarbonForgeError:
+        """The operator's error: what was found, and the fix."""
+        return CarbonForgeError(str(self), self.remedy)
 
 
 def open_append(path: str | os.PathLike[str], mode: int) -> int:
@@ -60,7 +83,7 @@ def open_append(path: str | os.PathLike[str], mode: int) -> int:
     if found is not None and stat.S_ISLNK(found.st_mode):
         raise SymlinkRefused(path)
     if found is not None and not stat.S_ISREG(found.st_mode):
-        raise NotRegularFile(path)
+        raise NotRegularFile(path, found.st_mode)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         fd = os.open(path, flags, mode)
@@ -70,14 +93,38 @@ def open_append(path: str | os.PathLike[str], mode: int) -> int:
         if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a directory
             raise NotRegularFile(path) from None
         raise
+    _require_regular(fd, path)
+    return fd
+
+
+def _require_regular(fd: int, path: str | os.PathLike[str]) -> None:
+    """Close ``fd`` and raise :class:`NotRegularFile` unless it is a regular file; else make it blocking
+    again (``O_NONBLOCK`` was only for the open: nothing inherits it)."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotRegularFile(path)
-        os.set_blocking(fd, True)  # O_NONBLOCK was only for the open; nothing inherits it
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, mode)
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``path``, a file an operator named, open for reading in binary; links are followed (a mounted
+    secret is often one). The open never blocks: a FIFO without a writer (or a device, a socket, a
+    directory) raises :class:`NotRegularFile` at once, naming the path, with the fix in ``remedy``.
+    Other failures raise ``OSError`` as ``open`` does."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    _require_regular(fd, path)
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of ``path`` (so a caller sees that a file is over ``limit``), read
+    through :func:`open_regular`: a FIFO, device, socket or directory is refused at once."""
+    with open_regular(path) as handle:
+        return handle.read(limit + 1)
 
 
 def probe_writable(directory: str | os.PathLike[str]) -> None:

@@ -216,6 +216,8 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
     import shlex
 
     from carbonforge_runtime.core.redaction import redact_args
+    from carbonforge_runtime.files import read_regular
+    from carbonforge_runtime.recipes.loader import MAX_RECIPE_BYTES
     from carbonforge_runtime.runtime.group import Group, place_command
     from carbonforge_runtime.runtime.launch_plan import ENGINE_MODULE, build_recipe_plan
     from carbonforge_runtime.runtime.serve import load_all_recipes
@@ -226,7 +228,7 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
         settings = _settings()
         recipe = resolve(key, load_all_recipes(settings))
         typer.echo(f"# {recipe.source}")
-        typer.echo(recipe.source.read_text(encoding="utf-8").rstrip())
+        typer.echo(read_regular(recipe.source, MAX_RECIPE_BYTES).decode("utf-8", errors="replace").rstrip())
         model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
         plan = build_recipe_plan(recipe, settings, [], model_path=model_path)
         if recipe.hosts is None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from carbonforge_runtime import files
 from carbonforge_runtime.errors import CarbonForgeError
 
 try:  # parses a trace line about three times faster than the standard library, same results
@@ -68,8 +69,10 @@ def check_readable(path: Path, kind: str = "trace file", written_by: str = "--tr
     if path.is_dir():
         raise TraceInputError(f"{path} is a directory, not a {kind}", "pass the JSONL file itself")
     try:
-        with path.open("rb"):
+        with files.open_regular(path):
             pass
+    except files.NotRegularFile as exc:
+        raise TraceInputError(f"{kind} {exc}", files.NOT_REGULAR_REMEDY) from None
     except OSError as exc:
         raise TraceInputError(f"{kind} {path} cannot be read ({exc.strerror})",
                               "check the file's permissions") from None
@@ -104,7 +107,7 @@ def trace_files(paths: Sequence[Path]) -> list[Path]:
 
 
 def is_gzip(path: Path) -> bool:
-    with path.open("rb") as handle:
+    with files.open_regular(path) as handle:
         return handle.read(2) == GZIP_MAGIC
 
 
@@ -113,7 +116,7 @@ def _decode(block: bytes) -> list[str]:
 
 
 def _raw_blocks(path: Path) -> Iterator[bytes]:
-    with path.open("rb") as handle:
+    with files.open_regular(path) as handle:
         while block := handle.read(_READ_BYTES):
             yield block
 

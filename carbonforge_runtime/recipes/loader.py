@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from carbonforge_runtime import files
 from carbonforge_runtime.errors import ContextKeyError, RecipeError
 from carbonforge_runtime.recipes.keys import parse_context_key
 from carbonforge_runtime.recipes.model import Recipe, recipe_from_mapping
@@ -40,13 +41,13 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def load_recipe_file(path: Path) -> Recipe:
     try:
-        if not path.is_file():
-            raise RecipeError(f"{path}: is not a regular file", "recipes are YAML files (*.yaml)")
-        size = path.stat().st_size
-        if size > MAX_RECIPE_BYTES:
-            raise RecipeError(f"{path}: {size} bytes is too large for a recipe (at most {MAX_RECIPE_BYTES})",
+        raw = files.read_regular(path, MAX_RECIPE_BYTES)
+        if len(raw) > MAX_RECIPE_BYTES:
+            raise RecipeError(f"{path}: over {MAX_RECIPE_BYTES} bytes is too large for a recipe",
                               "a recipe is one small YAML document: check that the right file is named")
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
+    except files.NotRegularFile as exc:
+        raise RecipeError(f"{path}: is {exc.strerror}", "recipes are YAML files (*.yaml)") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot be read ({exc.strerror})", "check the file's permissions") from None
     except UnicodeDecodeError:

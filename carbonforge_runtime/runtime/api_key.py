@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import stat
-
+from carbonforge_runtime import files
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.settings import Settings
 
@@ -20,20 +18,14 @@ def read_api_key(settings: Settings) -> str | None:
     if not path:
         return None
     fix = "point CF_API_KEY_FILE at a readable file holding the key on one line (or set CF_API_KEY)"
-    try:
-        # O_NONBLOCK: a FIFO without a writer must not hang the start-up.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # a FIFO without a writer must not hang the start-up: refused at once
+        raw = files.read_regular(path, MAX_KEY_FILE_BYTES)
+    except files.NotRegularFile as exc:
+        raise UsageError(f"CF_API_KEY_FILE={path}: is {exc.strerror}", fix) from None
     except OSError as exc:
         raise UsageError(f"CF_API_KEY_FILE={path}: cannot be read ({exc.strerror})", fix) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"CF_API_KEY_FILE={path}: is not a regular file", fix)
-        if info.st_size > MAX_KEY_FILE_BYTES:
-            raise UsageError(f"CF_API_KEY_FILE={path}: {info.st_size} bytes is too large for a key", fix)
-        raw = os.read(fd, MAX_KEY_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
+    if len(raw) > MAX_KEY_FILE_BYTES:
+        raise UsageError(f"CF_API_KEY_FILE={path}: over {MAX_KEY_FILE_BYTES} bytes is too large for a key", fix)
     try:
         key = raw.decode("utf-8").strip()
     except UnicodeDecodeError:

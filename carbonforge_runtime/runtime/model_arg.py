@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from carbonforge_runtime import files
 from carbonforge_runtime.errors import LicenseError
 
 CANNOT_GATE = "could not determine which model to gate"
@@ -59,8 +60,7 @@ def read_config_file(path: str) -> Any:
     """The parsed YAML of a ``--config`` file (relative paths as vLLM, started in the same directory)."""
     import yaml
 
-    with open(path, "rb") as handle:
-        data = handle.read(MAX_CONFIG_BYTES + 1)
+    data = files.read_regular(path, MAX_CONFIG_BYTES)
     if len(data) > MAX_CONFIG_BYTES:
         raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes")
     return yaml.safe_load(data)
@@ -249,8 +249,9 @@ def _path_identities(text: str) -> tuple[set[str], set[str]]:
             ids.add(normalise_model_id(f"{parts[-2]}/{parts[-1]}"))
         config = Path(path) / "config.json"
         try:
-            if config.is_file() and config.stat().st_size <= MAX_CONFIG_BYTES:
-                declared = json.loads(config.read_text(encoding="utf-8", errors="replace")).get("_name_or_path")
+            raw = files.read_regular(config, MAX_CONFIG_BYTES) if config.exists() else b""
+            if raw and len(raw) <= MAX_CONFIG_BYTES:
+                declared = json.loads(raw.decode("utf-8", errors="replace")).get("_name_or_path")
                 if isinstance(declared, str) and declared.strip():
                     ids.add(normalise_model_id(declared))
                     names.add(_name_part(declared))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from carbonforge_runtime import files
 from carbonforge_runtime.core.contract import PROTOCOL_GRPC, PROTOCOL_HTTP, PROTOCOLS, OtlpTarget, TraceConfig
 from carbonforge_runtime.core.redaction import redact_url
 from carbonforge_runtime.core.trace_record import LEVEL_OFF, LEVELS
@@ -232,8 +233,7 @@ def export_security(target: OtlpTarget, environ: Mapping[str, str]) -> ExportSec
 
 
 def _read_head(path: str) -> bytes:
-    with open(path, "rb") as handle:
-        return handle.read(1 << 20)
+    return files.read_regular(path, (1 << 20) - 1)
 
 
 def check_tls_files(security: ExportSecurity, cwd: str | None = None,
@@ -249,8 +249,8 @@ def check_tls_files(security: ExportSecurity, cwd: str | None = None,
             head = read(path)
         except FileNotFoundError:
             raise UsageError(f"{item.variable} names {item.path}, which does not exist", fix) from None
-        except IsADirectoryError:
-            raise UsageError(f"{item.variable} names {item.path}, which is a directory", fix) from None
+        except files.NotRegularFile as exc:
+            raise UsageError(f"{item.variable} names {item.path}, which is {exc.strerror}", fix) from None
         except OSError as exc:
             raise UsageError(f"{item.variable} names {item.path}, which cannot be read "
                              f"({exc.strerror or exc})", fix) from None

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from carbonforge_runtime import files
 from carbonforge_runtime.errors import UsageError
 
 #: How many leading prompt tokens the engine-side prefix hash covers (the shim's ``prefix_hash``).
 PREFIX_HASH_TOKENS = 64
 MODEL_FORMAT = "carbonforge-ltr"
 MODEL_VERSION = 1
-#: A saved model holds at most max_keys keys of five numbers: a few MiB. Larger files are refused unread.
+#: A saved model holds at most max_keys keys of five numbers: a few MiB. Larger files are refused after reading no more.
 MAX_MODEL_BYTES = 64 << 20
 #: log(1 + 128): the prediction before anything has been observed.
 _DEFAULT_LOG_OUTPUT = math.log1p(128.0)
@@ -276,10 +277,13 @@ class LtrModel:
     @classmethod
     def load(cls, path: Path, params: LtrParams | None = None) -> LtrModel:
         try:
-            if path.stat().st_size > MAX_MODEL_BYTES:
+            raw = files.read_regular(path, MAX_MODEL_BYTES)
+            if len(raw) > MAX_MODEL_BYTES:
                 raise UsageError(f"ranker model {path} is over {MAX_MODEL_BYTES >> 20} MiB, too large for a model",
                                  "point scheduler.params.model at a file written by `carbonforge-runtime ltr fit`")
-            text = path.read_text(encoding="utf-8")
+            text = raw.decode("utf-8")
+        except files.NotRegularFile as exc:
+            raise UsageError(f"ranker model {exc}", files.NOT_REGULAR_REMEDY) from None
         except OSError as exc:
             raise UsageError(f"cannot read ranker model {path} ({exc.strerror})",
                              "check scheduler.params.model: it must name a readable file") from None

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from carbonforge_runtime import files
 from carbonforge_runtime.core.twin import SimError, StepCostModel
 
 #: A step-time model is a few lines of YAML; anything far larger is not one.
@@ -50,13 +51,15 @@ def _fail(path: Path, problem: str) -> SimError:
 
 def load_model_file(path: Path) -> StepCostModel:
     try:
-        if not path.is_file():
-            raise SimError(f"step-time model {path} does not exist or is not a file",
-                           "pass --cost-model with a shipped model's name or the path of a YAML file")
-        size = path.stat().st_size
-        if size > MAX_MODEL_BYTES:
-            raise _fail(path, f"{size} bytes is too large for a step-time model (at most {MAX_MODEL_BYTES})")
-        text = path.read_text(encoding="utf-8")
+        raw = files.read_regular(path, MAX_MODEL_BYTES)
+        if len(raw) > MAX_MODEL_BYTES:
+            raise _fail(path, f"over {MAX_MODEL_BYTES} bytes is too large for a step-time model")
+        text = raw.decode("utf-8")
+    except FileNotFoundError:
+        raise SimError(f"step-time model {path} does not exist",
+                       "pass --cost-model with a shipped model's name or the path of a YAML file") from None
+    except files.NotRegularFile as exc:
+        raise SimError(f"step-time model {exc}", files.NOT_REGULAR_REMEDY) from None
     except OSError as exc:
         raise SimError(f"step-time model {path} cannot be read ({exc.strerror})",
                        "check the file's permissions") from None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from carbonforge_runtime import files
 from carbonforge_runtime.settings import Settings
 
 ENV_VAR: Final = "CARBONFORGE_LICENSE_KEY"
@@ -85,12 +86,9 @@ def read_license(settings: Settings) -> LicenseSource:
                              problem="it is a directory, not a file (a bind mount of a host file that "
                                      "did not exist creates a directory)")
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            # A FIFO or a device would block the read (or never end): refuse before opening it.
-            return LicenseSource(origin=str(path), text=None,
-                                 problem="it is not a regular file (a FIFO, socket or device)")
-        with path.open("rb") as handle:
-            data = handle.read(MAX_FILE_READ_BYTES + 1)
+        data = files.read_regular(path, MAX_FILE_READ_BYTES)
+    except files.NotRegularFile as exc:  # a FIFO or a device would block the read (or never end)
+        return LicenseSource(origin=str(path), text=None, problem=f"it is {exc.strerror} (a FIFO, socket or device)")
     except PermissionError:
         return LicenseSource(origin=str(path), text=None, problem=_permission_detail(path))
     except OSError as exc:

@@ -124,7 +124,7 @@ def test_a_fifo_as_trace_file_is_refused_at_once(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(CarbonForgeError) as refused:  # no reader: an open for writing would block forever
         _create_trace_file(TraceConfig(level="standard", file=str(fifo)))
-    assert "is not a regular file" in refused.value.message and "--trace-file" in refused.value.remedy
+    assert "a FIFO, not a regular file" in refused.value.message and "--trace-file" in refused.value.remedy
 
 
 @pytest.mark.parametrize("dp_args", [["--data-parallel-size", "2"], ["-dp", "2"], ["--data_parallel_size=2"],
