@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.core.api_contract import EFFORTS
-from carbonforge_runtime.errors import RecipeError
+from carbonforge_runtime.core.ordering.registry import FAMILIES, check_family
+from carbonforge_runtime.errors import RecipeError, UsageError
 from carbonforge_runtime.recipes.keys import ContextKey, parse_context_key
 from carbonforge_runtime.recipes.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -251,6 +252,11 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
     sched = top.section("scheduler", required=False)
     sched.reject_unknown({"family", "params"})
     scheduler = SchedulerSpec(sched.get("family", str, default="fcfs"), sched.get("params", dict, default={}))
+    try:  # the family's own checks, as the launch makes them (the files its parameters name are read then)
+        check_family(scheduler.family, scheduler.params)
+    except UsageError as exc:
+        field = "params" if scheduler.family in FAMILIES else "family"
+        raise RecipeError(f"{path}: field 'scheduler.{field}': {exc.message}", exc.remedy) from None
 
     ctl = top.section("controller", required=False)
     ctl.reject_unknown({"policy", "params"})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ NOT_IMPLEMENTED = {"tie": "the 'tie' family is not implemented in this release"}
 # -- parameters -------------------------------------------------------------------------------------
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
 class _Params:
     """Typed reads of one family's ``scheduler.params``, naming the family and parameter in errors."""
 
@@ -72,8 +80,8 @@ class _Params:
         value = self.params.get(name, default)
         if value is None and nullable:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.fail(name, f"must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            raise self.fail(name, f"must be a finite number, got {str(value)[:40]}")
         if value < minimum:
             raise self.fail(name, f"must be at least {minimum:g}, got {value!r}")
         return float(value)
@@ -270,6 +278,11 @@ class Oracle(CostFamily):
 # -- factories --------------------------------------------------------------------------------------
 
 
+#: False while parameters are only being checked (a recipe file as it is loaded): the files they
+#: name (the ranker model) are then left for the launch to read, where they are needed.
+READ_PARAMETER_FILES: ContextVar[bool] = ContextVar("read_parameter_files", default=True)
+
+
 def _load_model(p: _Params) -> LtrModel:
     ltr_params = LtrParams.from_mapping({k: v for k, v in p.params.items() if k in LtrParams.__dataclass_fields__},
                                         where=f"scheduler family {p.family!r}")
@@ -278,6 +291,8 @@ def _load_model(p: _Params) -> LtrModel:
         return LtrModel(params=ltr_params)
     if not isinstance(path, str) or not path:
         raise p.fail("model", f"must be the path of a model file, got {path!r}")
+    if not READ_PARAMETER_FILES.get():
+        return LtrModel(params=ltr_params)
     return LtrModel.load(Path(path).expanduser(), ltr_params)
 
 
@@ -296,7 +311,8 @@ def make_affinity(params: Mapping[str, Any]) -> Family:
     guard = Guard.read(p, default_rate=100.0, cost_based=False)
     max_queue = p.integer("max_queue", DEFAULT_AFFINITY_MAX_QUEUE, minimum=1)
     min_cached = p.integer("min_cached_tokens", 0, minimum=0)
-    assert min_cached is not None
+    if min_cached is None:
+        raise p.fail("min_cached_tokens", "must be a whole number, got None")
     return Affinity(guard, max_queue, min_cached)
 
 

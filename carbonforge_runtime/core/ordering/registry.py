@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from carbonforge_runtime.core.ordering.base import ArrivalOrder, Family, WaitingRequest
-from carbonforge_runtime.core.ordering.families import NOT_IMPLEMENTED, REORDERING_FAMILIES
+from carbonforge_runtime.core.ordering.families import NOT_IMPLEMENTED, READ_PARAMETER_FILES, REORDERING_FAMILIES
 from carbonforge_runtime.errors import UsageError
 
 
@@ -46,6 +46,16 @@ def make_family(name: str, params: Mapping[str, Any]) -> Family:
             f"set the recipe's scheduler.family to one of: {known}",
         )
     return factory(params)
+
+
+def check_family(name: str, params: Mapping[str, Any]) -> None:
+    """Refuse what :func:`make_family` would refuse (an unknown family, unknown or invalid parameters),
+    without reading the files the parameters name: a recipe's checks at load time."""
+    token = READ_PARAMETER_FILES.set(False)
+    try:
+        make_family(name, params)
+    finally:
+        READ_PARAMETER_FILES.reset(token)
 
 
 def pick_next(

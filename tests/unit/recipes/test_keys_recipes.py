@@ -160,6 +160,44 @@ def test_fcfs_refuses_parameters_it_does_not_take(tmp_path: Path) -> None:
     assert "scheduler.params" in info.value.remedy
 
 
+@pytest.mark.parametrize(("scheduler", "problem"), [
+    ({"family": "fcfs", "params": {"aging_rate": 3}}, "'scheduler.params': scheduler family 'fcfs' takes no "
+                                                      "parameters, got aging_rate"),
+    ({"family": "trace", "params": {"x": 1}}, "'scheduler.params': scheduler family 'trace' takes no parameters"),
+    ({"family": "ltr", "params": {"aging_rate": 3, "warp_factor": 9}},
+     "'scheduler.params': scheduler family 'ltr' has no parameter(s) warp_factor"),
+    ({"family": "hybrid", "params": {"model": 7}}, "'scheduler.params': scheduler family 'hybrid': parameter model "
+                                                   "must be the path of a model file"),
+    ({"family": "affinity", "params": {"max_queue": 0}}, "'scheduler.params': scheduler family 'affinity': parameter "
+                                                         "max_queue must be at least 1"),
+    ({"family": "ltr", "params": {"aging_rate": 10**400}}, "'scheduler.params': scheduler family 'ltr': parameter "
+                                                           "aging_rate must be a finite number"),
+    ({"family": "fifo", "params": {}}, "'scheduler.family': unknown scheduler family 'fifo'"),
+])
+def test_scheduler_parameters_are_refused_at_load_naming_file_and_field(tmp_path: Path, scheduler: dict,
+                                                                        problem: str) -> None:
+    from typer.testing import CliRunner
+
+    from carbonforge_runtime.cli import main as cli
+
+    data = _valid()
+    data["scheduler"] = scheduler
+    path = _write(tmp_path, data)
+    with pytest.raises(RecipeError) as info:
+        load_recipe_file(path)
+    assert info.value.message.startswith(f"{path}: field ") and problem in info.value.message, info.value.message
+    for args in (["recipes", "list"], ["recipes", "show", data["key"]]):
+        shown = CliRunner().invoke(cli.app, args, env={"CF_RECIPES_DIR": str(tmp_path)})
+        assert shown.exit_code == 2 and problem in shown.output and "Traceback" not in shown.output, shown.output
+
+
+def test_a_ranker_model_is_checked_at_load_but_read_at_launch(tmp_path: Path) -> None:
+    """The model file a recipe names may not exist where the recipe is listed: loading does not read it."""
+    data = _valid()
+    data["scheduler"] = {"family": "hybrid", "params": {"model": str(tmp_path / "not-yet.json"), "learn": False}}
+    assert load_recipe_file(_write(tmp_path, data)).scheduler.params["learn"] is False
+
+
 def test_extra_directory_wins_over_shipped(tmp_path: Path) -> None:
     data = _valid()
     data["vllm"]["max_num_seqs"] = 3
