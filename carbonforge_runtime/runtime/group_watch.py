@@ -17,12 +17,14 @@ and stops its engine. Nothing here decides what to do about it.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from carbonforge_runtime import files
 from carbonforge_runtime.runtime.supervisor import GroupHooks, GroupLoss
 
 #: Seconds between two heartbeats, each way.
@@ -277,8 +279,8 @@ class LeaderHooks(GroupHooks):
         return GroupLoss(problem) if problem else None
 
     def on_loss(self, loss: GroupLoss) -> None:
-        with contextlib.suppress(OSError):
-            self.down_file.touch()
+        with contextlib.suppress(OSError):  # a link planted in its place is refused, its target untouched
+            os.close(files.open_append(self.down_file, 0o644))
         time.sleep(UNHEALTHY_HOLD_S)
 
     def close(self) -> None:

@@ -199,3 +199,28 @@ def test_a_workers_engine_that_ends_first_is_an_orderly_stop_only_if_the_leader_
         threading.Timer(1.5, lambda: leader.close(farewell=True)).start()
     report = supervisor.supervise(engine, None, 60, 30, LOG, lambda: None, supervisor.StopFlag(), group=hooks)
     assert (report.outcome, report.exit_code) == (("stopped", 0) if farewell else ("died", 1))
+
+
+def test_the_group_down_marker_is_never_written_through_a_planted_link(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from carbonforge_runtime.runtime import group_watch
+
+    monkeypatch.setattr(group_watch, "UNHEALTHY_HOLD_S", 0.0)
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep me\n")
+    target.chmod(0o640)
+    before = target.stat()
+    down = tmp_path / "group-down"
+    down.symlink_to(target)
+    LeaderHooks(None, down).on_loss(supervisor.GroupLoss("worker 1 left"))  # type: ignore[arg-type]
+    after = target.stat()
+    assert target.read_text() == "keep me\n" and after.st_mode & 0o777 == 0o640
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)  # touch() would move it
+    assert down.is_symlink()
+    dangling = tmp_path / "dangling-down"
+    dangling.symlink_to(tmp_path / "created-through-the-link")
+    LeaderHooks(None, dangling).on_loss(supervisor.GroupLoss("worker 1 left"))  # type: ignore[arg-type]
+    assert not (tmp_path / "created-through-the-link").exists()
+    plain = tmp_path / "plain-down"
+    LeaderHooks(None, plain).on_loss(supervisor.GroupLoss("worker 1 left"))  # type: ignore[arg-type]
+    assert plain.is_file()
