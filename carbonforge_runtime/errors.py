@@ -59,3 +59,20 @@ class EngineError(CarbonForgeError):
     """vLLM failed to start or died while serving."""
 
     exit_code = 1
+
+
+# A stop that loses nothing exits 0 (a signal while the launch is prepared, before vLLM is ready, or
+# a drain that completes). The two stops that cut requests short have codes of their own, which
+# ``serve`` exits with (they are not raised).
+
+
+class DrainOverrun(CarbonForgeError):
+    """serve: vLLM did not stop within the drain time and its grace, and was killed (like timeout(1))."""
+
+    exit_code = 124
+
+
+class StopForced(CarbonForgeError):
+    """serve: a second SIGTERM or SIGINT during the drain killed vLLM at once (like a shell's interrupt)."""
+
+    exit_code = 130

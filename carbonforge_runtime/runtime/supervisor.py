@@ -26,6 +26,7 @@ from pathlib import Path
 
 from carbonforge_runtime import files
 from carbonforge_runtime.core.redaction import redact_args
+from carbonforge_runtime.errors import DrainOverrun, StopForced
 from carbonforge_runtime.runtime.port_owner import foreign_listener_problem
 from carbonforge_runtime.runtime.startup_phases import (
     DOWNLOADING,
@@ -36,22 +37,37 @@ from carbonforge_runtime.runtime.startup_phases import (
     scan_download,
 )
 
-#: After SIGTERM the engine gets its drain time plus this much to exit before SIGKILL.
+#: After SIGTERM the engine is gone within its drain time plus this much, SIGKILL included.
 SHUTDOWN_GRACE_S = 15.0
-#: After the API server has exited, its engine processes get this long to finish exiting.
+#: The last part of every stop's time, kept for after the SIGKILL: the group's processes leaving.
+KILL_WAIT_S = 2.0
+#: After the API server has exited, its engine processes get this long to finish exiting (within
+#: the stop's time).
 STRAGGLER_GRACE_S = 5.0
+#: After the engine is gone: the runtime's own exit (the group, the energy controller, its log).
+RUNTIME_EXIT_MARGIN_S = 5.0
 POLL_INTERVAL_S = 0.5
 #: A stop before the engine is ready: how long the API server gets to exit before SIGKILL.
 EARLY_STOP_GRACE_S = 2.0
 PROGRESS_INTERVAL_S = 10.0
 
 
+def stop_bound_s(drain_s: float) -> float:
+    """The announced bound of a stop by signal: the engine's group is gone this long after the signal
+    at the latest (the drain, then the grace, whose last KILL_WAIT_S follow the SIGKILL)."""
+    return drain_s + SHUTDOWN_GRACE_S
+
+
 def stop_timeout_s(drain_s: float) -> int:
     """How long a container manager must wait after SIGTERM before it SIGKILLs the runtime, for a
-    drain time of ``drain_s``: the drain, the grace for the engine to exit, its stragglers, rounded
-    up to ten seconds (``docker stop -t``, ``--stop-timeout``, ``terminationGracePeriodSeconds``)."""
-    latest = drain_s + SHUTDOWN_GRACE_S + STRAGGLER_GRACE_S
-    return math.ceil(latest / 10.0) * 10
+    drain time of ``drain_s``: the announced bound and the runtime's own exit, rounded up to ten
+    seconds (``docker stop -t``, ``--stop-timeout``, ``terminationGracePeriodSeconds``)."""
+    return math.ceil((stop_bound_s(drain_s) + RUNTIME_EXIT_MARGIN_S) / 10.0) * 10
+
+
+def _within(grace_s: float) -> float:
+    """The deadline of a stop that gives the engine ``grace_s`` before the SIGKILL."""
+    return time.monotonic() + grace_s + KILL_WAIT_S
 
 
 _PR_SET_PDEATHSIG = 1
@@ -193,6 +209,8 @@ class EngineProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._watch_fd: int | None = None
+        #: Set by :meth:`stop`: when the group is to be gone.
+        self.stop_deadline: float | None = None
 
     @property
     def pid(self) -> int | None:
@@ -279,10 +297,10 @@ class EngineProcess:
             return True
         return True
 
-    def stop(self, drain_s: float, grace_s: float = SHUTDOWN_GRACE_S,
-             escalate: Callable[[], bool] = lambda: False) -> tuple[int | None, bool]:
-        """SIGTERM the engine's API server, wait up to the drain time plus ``grace_s``, then
-        SIGKILL the whole group; SIGKILL at once as soon as ``escalate()`` is true (a second signal).
+    def stop(self, deadline: float, escalate: Callable[[], bool] = lambda: False) -> tuple[int | None, bool]:
+        """SIGTERM the engine's API server and have the whole group gone by ``deadline`` (a
+        ``time.monotonic()`` value): SIGKILL to the group KILL_WAIT_S before it at the latest, at once
+        as soon as ``escalate()`` is true (a second signal); every wait ends by ``deadline``.
 
         Only the leader is signalled: it drains in-flight requests and then shuts its own engine
         processes down in order. Signalling the whole group would kill the engine core and its
@@ -290,22 +308,24 @@ class EngineProcess:
         """
         if self._proc is None:
             return None, False
+        self.stop_deadline = deadline
+        kill_at = deadline - KILL_WAIT_S
         if self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + drain_s + grace_s
         code = self._proc.poll()
-        while code is None and time.monotonic() < deadline and not escalate():
-            code = self.wait(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0.0)))
+        while code is None and time.monotonic() < kill_at and not escalate():
+            code = self.wait(min(POLL_INTERVAL_S, max(kill_at - time.monotonic(), 0.0)))
         killed = code is None
-        if killed:
-            self.signal_group(signal.SIGKILL)
-            code = self.wait(10.0)
         # Give the leader's children a moment to finish their own exit, then remove stragglers.
-        deadline = time.monotonic() + STRAGGLER_GRACE_S
-        while self.group_alive() and time.monotonic() < deadline:
+        stragglers_until = min(time.monotonic() + STRAGGLER_GRACE_S, kill_at)
+        while not killed and self.group_alive() and time.monotonic() < stragglers_until and not escalate():
             time.sleep(0.1)
         self.signal_group(signal.SIGKILL)
+        if code is None:
+            code = self.wait(max(deadline - time.monotonic(), 0.0))
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return code, killed
 
 
@@ -374,7 +394,7 @@ def _group_lost(engine: EngineProcess, loss: GroupLoss, group: GroupHooks, log: 
     else:
         log.error(f"{loss.message}: the group cannot serve without it; stopping vLLM")
     group.on_loss(loss)
-    code, killed = engine.stop(0, grace_s=GROUP_LOST_GRACE_S)
+    code, killed = engine.stop(_within(GROUP_LOST_GRACE_S))
     log.info("vLLM stopped" + (" (killed)" if killed else ""))
     return ExitReport("stopped" if loss.orderly else "group-lost", code, 0 if loss.orderly else 1)
 
@@ -464,23 +484,24 @@ def supervise(
                 # it initialises, so the group is killed after a short grace.
                 log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was ready: "
                          f"stopping it now (nothing in flight)")
-                code, killed = engine.stop(0, grace_s=EARLY_STOP_GRACE_S)
+                code, killed = engine.stop(_within(EARLY_STOP_GRACE_S))
                 log.info("vLLM stopped before it was ready" + (" (killed)" if killed else ""))
                 return ExitReport("stopped", code, 0)
             if stop.set:
-                latest = drain_timeout_s + SHUTDOWN_GRACE_S
+                latest = stop_bound_s(drain_timeout_s)
+                deadline = time.monotonic() + latest
                 log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name}: stopping vLLM "
                          f"(drain up to {drain_timeout_s:g} s, stopped within {latest:g} s at the latest; "
                          "a second signal stops it at once)")
                 if group is not None:
-                    group.before_stop(time.monotonic() + latest, lambda: stop.again)
-                code, killed = engine.stop(drain_timeout_s, escalate=lambda: stop.again)
+                    group.before_stop(deadline - KILL_WAIT_S, lambda: stop.again)
+                code, killed = engine.stop(deadline, escalate=lambda: stop.again)
                 if killed and stop.again:
                     log.warning("second signal: vLLM killed without finishing its drain")
-                    return ExitReport("killed", code, 1)
+                    return ExitReport("killed", code, StopForced.exit_code)
                 if killed:
                     log.error("vLLM did not stop within the drain time: killed")
-                    return ExitReport("killed", code, 1)
+                    return ExitReport("killed", code, DrainOverrun.exit_code)
                 log.info(f"vLLM stopped ({describe_exit(code if code is not None else 0)})")
                 clean = code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
                 return ExitReport("stopped", code, 0 if clean else 1)
@@ -493,7 +514,7 @@ def supervise(
                         log.error(f"{problem}; the engine is not declared ready")
                         log.error("the API port must be this runtime's alone: stop the other process, or serve on "
                                   "a free port (CF_PORT, or --port in the vLLM arguments); stopping vLLM")
-                        engine.stop(0, grace_s=EARLY_STOP_GRACE_S)
+                        engine.stop(_within(EARLY_STOP_GRACE_S))
                         return ExitReport("not-ours", None, 1)
                     ready = True
                     ready_at = time.monotonic()
@@ -504,7 +525,7 @@ def supervise(
                 elif now - started > ready_timeout_s:
                     log.error(f"vLLM did not become ready within {ready_timeout_s:g} s, still {phases.phase} "
                               "(raise CF_READY_TIMEOUT_S if it needs longer): stopping it")
-                    engine.stop(0)
+                    engine.stop(_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
                     return ExitReport("timeout", None, 1)
                 elif now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now
@@ -512,10 +533,11 @@ def supervise(
                              f"details in {engine.log_path})")
             time.sleep(POLL_INTERVAL_S)
     except BaseException:
-        engine.stop(0)
+        engine.stop(_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
         raise
     finally:
-        deadline = time.monotonic() + 2.0  # SIGKILLed members take a moment to leave the group
+        # SIGKILLed members take a moment to leave the group; a stop has had its KILL_WAIT_S for that
+        deadline = min(time.monotonic() + KILL_WAIT_S, engine.stop_deadline or math.inf)
         while engine.group_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         if not engine.group_alive():  # otherwise the watchdog stays, to kill the group when we exit

@@ -79,3 +79,14 @@ def test_the_fetch_line_gives_the_recipe_time_to_drain() -> None:
     for recipe in recipes:
         line = docker_run_line(FetchTarget(recipe.model.repo, recipe.model.revision, recipe), Path("/srv/w"), "--to")
         assert f"--stop-timeout {math.ceil((recipe.drain_timeout_s + 20) / 10) * 10} " in line, line
+
+
+def test_the_operations_page_gives_the_stop_figures_of_the_code() -> None:
+    from carbonforge_runtime.runtime.supervisor import KILL_WAIT_S, RUNTIME_EXIT_MARGIN_S, SHUTDOWN_GRACE_S
+
+    text = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    assert f"stopped within N+{SHUTDOWN_GRACE_S:g} s at the latest" in text
+    assert f"for the drain time plus {SHUTDOWN_GRACE_S - KILL_WAIT_S:g} s" in text  # then SIGKILL
+    assert f"The last {KILL_WAIT_S:g} s are for the killed processes to leave" in text
+    assert f"the drain time plus {SHUTDOWN_GRACE_S:g} s after the signal" in text
+    assert f"drain time plus {SHUTDOWN_GRACE_S + RUNTIME_EXIT_MARGIN_S:g} s to stop" in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from carbonforge_runtime.errors import DrainOverrun, StopForced
 from carbonforge_runtime.runtime import supervisor
 from tests.support import REPO, free_port
 
@@ -65,15 +67,19 @@ def test_a_stop_before_ready_is_immediate_even_when_the_engine_ignores_sigterm(t
     assert engine.pid is not None and group_gone(engine.pid)
 
 
-@pytest.mark.timeout(60)
-def test_a_second_signal_during_the_drain_stops_at_once(tmp_path: Path) -> None:
-    port = free_port()
-    # The engine double answers /health; this one also ignores SIGTERM, so only SIGKILL ends its drain.
+def deaf_engine_double(port: int, log: Path) -> supervisor.EngineProcess:
+    """The engine double, answering /health, but ignoring SIGTERM: only SIGKILL ends its drain."""
     code = (f"import runpy, signal, sys; sys.argv = ['engine_double', '--port', '{port}']; "
             "orig = signal.signal; signal.signal = lambda s, h: orig(s, signal.SIG_IGN) if s == signal.SIGTERM "
             "else orig(s, h); "
             f"runpy.run_path({str(REPO / 'tests' / 'support' / 'engine_double.py')!r}, run_name='__main__')")
-    engine = supervisor.EngineProcess([sys.executable, "-c", code], dict(os.environ), tmp_path / "vllm.log")
+    return supervisor.EngineProcess([sys.executable, "-c", code], dict(os.environ), log)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_during_the_drain_stops_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    engine = deaf_engine_double(port, tmp_path / "vllm.log")
     stop = supervisor.StopFlag()
     ready = threading.Event()
 
@@ -85,9 +91,63 @@ def test_a_second_signal_during_the_drain_stops_at_once(tmp_path: Path) -> None:
     report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 30, LOG, on_ready, stop)
     took = time.monotonic() - started
     assert ready.is_set()
-    assert report.outcome == "killed" and report.exit_code == 1
+    assert report.outcome == "killed" and report.exit_code == StopForced.exit_code == 130
     assert took < 15.0, took  # far less than the 30 s drain plus grace
     assert engine.pid is not None and group_gone(engine.pid)
+
+
+@pytest.mark.timeout(90)
+def test_a_drain_overrun_ends_within_the_announced_bound(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that ignores SIGTERM, with a child that does too: the stop is over, the whole group
+    gone, by the bound the runtime announces, and the exit code says the drain was cut short."""
+    port = free_port()
+    engine = deaf_engine_double(port, tmp_path / "vllm.log")
+    stop = supervisor.StopFlag()
+    signalled: list[float] = []
+
+    def on_ready() -> None:
+        def fire() -> None:
+            signalled.append(time.monotonic())
+            stop(signal.SIGTERM, None)
+
+        threading.Timer(0.2, fire).start()
+
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 1, LOG, on_ready, stop)
+    ended = time.monotonic()
+    announced = re.search(r"stopped within ([0-9.]+) s at the latest", caplog.text)
+    assert announced, caplog.text
+    bound = float(announced[1])
+    assert bound == supervisor.stop_bound_s(1) == 1 + supervisor.SHUTDOWN_GRACE_S
+    took = ended - signalled[0]
+    # the supervision loop sees the signal within one poll; from then on every wait is bounded
+    assert took <= bound + supervisor.POLL_INTERVAL_S + 0.5, (took, bound)
+    assert took >= bound - supervisor.KILL_WAIT_S - 1.0, (took, bound)  # the grace was given, not skipped
+    assert report.outcome == "killed" and report.exit_code == DrainOverrun.exit_code == 124
+    assert "vLLM did not stop within the drain time: killed" in caplog.text
+    assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
+    assert supervisor.stop_timeout_s(1) >= bound + supervisor.RUNTIME_EXIT_MARGIN_S
+
+
+@pytest.mark.timeout(60)
+def test_every_wait_of_a_stop_ends_by_its_deadline(tmp_path: Path) -> None:
+    """EngineProcess.stop with a short deadline: SIGTERM ignored by the leader and its child, SIGKILL
+    KILL_WAIT_S before the deadline, and the group gone by it."""
+    child = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"subprocess.Popen([sys.executable, '-c', {DEAF!r}]); time.sleep(600)")
+    engine = supervisor.EngineProcess([sys.executable, "-c", child], dict(os.environ), tmp_path / "vllm.log")
+    engine.start()
+    try:
+        time.sleep(1.0)  # both processes are up and ignore SIGTERM
+        started = time.monotonic()
+        code, killed = engine.stop(started + 3.0)
+        took = time.monotonic() - started
+        assert killed and code == -signal.SIGKILL
+        assert 3.0 - supervisor.KILL_WAIT_S - 0.2 <= took <= 3.0 + 0.2, took
+        assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
+    finally:
+        engine.signal_group(signal.SIGKILL)
+        engine.release_watchdog()
 
 
 #: A stand-in runtime: starts an engine that ignores SIGTERM and has a child of its own, reports the
