@@ -313,6 +313,70 @@ def test_ltr_eval_survives_any_model_and_trace(tmp_path: Path, model: bytes, dat
 
 
 # --------------------------------------------------------------------------------------------
+# sim and sim-calibrate (fewer examples: sim runs vLLM's scheduler in virtual time)
+
+SIM_FUZZ = settings(FUZZ, max_examples=30)
+#: Mooncake's fields beside ours: sim reads that format too.
+SIM_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    **{name: TRACE_FIELDS[name] for name in ("t_arrival", "prompt_tokens", "output_tokens", "prompt_text",
+                                              "prefix_hash", "request_id")},
+    "timestamp": st.integers(0, 10**6), "input_length": st.integers(1, 4000), "output_length": st.integers(1, 50),
+    "hash_ids": st.lists(st.integers(0, 50), max_size=4),
+}
+
+
+@SIM_FUZZ
+@given(data=st.one_of(lines_file(record_line(SIM_FIELDS)), azure_csv()), csv=st.booleans(),
+       options=st.lists(st.sampled_from([["--token-scale", "1e300"], ["--rate", "1e-300"], ["--load", "1e300"],
+                                         ["--start", "2"], ["--kv-tokens", "16"], ["--max-model-len", "64"]]),
+                        max_size=2))
+def test_sim_survives_any_input(tmp_path: Path, data: bytes, csv: bool, options: list[list[str]]) -> None:
+    trace = write(tmp_path / ("t.csv" if csv else "t.jsonl"), data)
+    flat = [arg for pair in options for arg in pair]
+    result = run_cli("sim", str(trace), "--context-key", "cf-tiny:bf16:chat:cpu", "--cost-model", "l4-tp1",
+                     "--limit", "8", "-o", str(tmp_path / "s.json"), "--quiet", *flat)
+    assert_own_error(result, {1, 2})
+
+
+def _steps(count: int) -> list[bytes]:
+    steps = []
+    for number in range(1, count + 1):
+        steps.append(json.dumps({"kind": "step", "engine": 0, "step": number, "t": 1.78e9 + number,
+                                 "wall_s": 0.01 + number * 1e-4, "batched_tokens": 10 * number,
+                                 "kv_read_tokens": 100 * number, "attention_units": float(number * number)}).encode())
+    return steps
+
+
+STEP_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "kind": st.sampled_from(["step", "engine", "other"]), "engine": st.integers(0, 3), "step": st.integers(0, 10**6),
+    "t": TIME, "wall_s": st.floats(1e-4, 10.0), "batched_tokens": st.integers(0, 10**5),
+    "kv_read_tokens": st.integers(0, 10**7), "attention_units": st.floats(0, 1e12),
+    "tensor_parallel_size": st.integers(1, 8), "kv_cache_tokens": st.integers(0, 10**7),
+}
+
+
+@st.composite
+def step_logs(draw: st.DrawFn) -> bytes:
+    """Any lines, or enough valid steps to reach the fit with hostile records among them."""
+    hostile_lines = st.lists(st.one_of(record_line(STEP_FIELDS), json_line(), st.binary(max_size=40)), max_size=6)
+    if draw(st.booleans()):
+        return draw(lines_file(record_line(STEP_FIELDS)))
+    lines = _steps(draw(st.integers(0, 40)))
+    for line in draw(hostile_lines):
+        lines.insert(draw(st.integers(0, len(lines))), line)
+    body = b"\n".join(lines)
+    return gzip.compress(body) if draw(st.booleans()) else body
+
+
+@SIM_FUZZ
+@given(data=step_logs(), gpu=st.sampled_from(["h100", "", "x" * 300, "a: b"]))
+def test_sim_calibrate_survives_any_step_log(tmp_path: Path, data: bytes, gpu: str) -> None:
+    log = write(tmp_path / "steps.jsonl", data)
+    result = run_cli("sim-calibrate", str(log), "-o", str(tmp_path / "model.yaml"), "--gpu", gpu)
+    assert_own_error(result, {1, 2})
+
+
+# --------------------------------------------------------------------------------------------
 # One 100 MB line, in bounded memory
 
 HUNDRED_MB = 100 * 1000 * 1000
