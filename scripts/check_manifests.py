@@ -29,7 +29,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -554,7 +554,7 @@ def _service_problems(service: dict[str, Any], pods: list[Pod], lws_names: set[s
 
 def _service_monitor_problems(doc: dict[str, Any], services: list[dict[str, Any]]) -> Iterator[tuple[list[Any], str]]:
     spec = doc.get("spec") or {}
-    match = (spec.get("selector") or {}).get("matchLabels") or {}
+    match = _match_labels(doc)
     chosen = [s for s in services if _selects(match, (s.get("metadata") or {}).get("labels") or {})]
     if not chosen:
         yield ["spec", "selector", "matchLabels"], "selects no Service of this kustomization"
@@ -590,10 +590,20 @@ def _api_ports(pods: list[Pod]) -> set[Any]:
             for _, c in _containers(pod.spec) for probe in PROBES} - {None}
 
 
+def _match_labels(doc: dict[str, Any], field: str = "selector") -> dict[str, Any]:
+    """The ``matchLabels`` of the document's ``spec.<field>`` (empty when there are none)."""
+    return ((doc.get("spec") or {}).get(field) or {}).get("matchLabels") or {}
+
+
+def _chosen(doc: dict[str, Any], pods: list[Pod], field: str = "selector") -> list[Pod]:
+    """The pods of this rendering that the document's ``spec.<field>`` selects."""
+    match = _match_labels(doc, field)
+    return [pod for pod in pods if _selects(match, pod.labels)]
+
+
 def _pod_monitor_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
     spec = doc.get("spec") or {}
-    match = (spec.get("selector") or {}).get("matchLabels") or {}
-    chosen = [pod for pod in pods if _selects(match, pod.labels)]
+    chosen = _chosen(doc, pods)
     if not chosen:
         yield ["spec", "selector", "matchLabels"], "selects no pod of this kustomization"
         return
@@ -613,11 +623,10 @@ def _pod_monitor_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tupl
 
 
 def _scrapes(monitor: dict[str, Any], pod: Pod, name: str | None, number: int) -> bool:
-    spec = monitor.get("spec") or {}
-    if not _selects((spec.get("selector") or {}).get("matchLabels") or {}, pod.labels):
+    if not _chosen(monitor, [pod]):
         return False
     return any((name is not None and e.get("port") == name) or e.get("portNumber") == number
-               for e in spec.get("podMetricsEndpoints") or [])
+               for e in (monitor.get("spec") or {}).get("podMetricsEndpoints") or [])
 
 
 def _worker_metrics_problems(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[tuple[dict[str, Any],
@@ -655,7 +664,7 @@ def _group_ports(pods: list[Pod]) -> dict[int, str]:
 
 def _network_policy_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
     spec = doc.get("spec") or {}
-    chosen = [pod for pod in pods if _selects((spec.get("podSelector") or {}).get("matchLabels") or {}, pod.labels)]
+    chosen = _chosen(doc, pods, "podSelector")
     if not chosen:
         yield ["spec", "podSelector", "matchLabels"], "selects no pod of this kustomization"
         return
@@ -679,13 +688,19 @@ def _network_policy_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[t
             yield ["spec", "ingress", index, "ports"], (
                 f"opens port {number}, {guarded[number]}, to every source: it has no authentication, so a stranger "
                 "could stop the group; allow it from the pods of the set only")
-    if group and not any(rule.get("from") and not rule.get("ports") and all(
-            any(_selects((peer.get("podSelector") or {}).get("matchLabels") or {}, pod.labels)
-                for peer in rule["from"] if "namespaceSelector" not in peer and "ipBlock" not in peer)
-            for pod in group) for rule in rules):
+    if group and not any(_opens_every_port_to(rule, group) for rule in rules):
         yield ["spec", "ingress"], ("no rule lets the pods of the group reach each other on every port: they meet "
                                     "on CF_MASTER_PORT and CF_GROUP_PORT, and vLLM opens its own ports between "
                                     "hosts; allow every port from a podSelector on the set's pods")
+
+
+def _opens_every_port_to(rule: dict[str, Any], group: list[Pod]) -> bool:
+    """Does this ingress rule let every pod of ``group`` in on every port (a podSelector in this namespace)?"""
+    if not rule.get("from") or rule.get("ports"):
+        return False
+    peers = [peer for peer in rule["from"] if "namespaceSelector" not in peer and "ipBlock" not in peer]
+    return all(any(_selects((peer.get("podSelector") or {}).get("matchLabels") or {}, pod.labels) for peer in peers)
+               for pod in group)
 
 
 def _unguarded_groups(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
@@ -695,8 +710,7 @@ def _unguarded_groups(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[t
         if doc.get("kind") != "LeaderWorkerSet":
             continue
         for pod in (p for p in pods if p.owner is doc):
-            if not any(_selects(((policy.get("spec") or {}).get("podSelector") or {}).get("matchLabels") or {},
-                                pod.labels) for policy in policies):
+            if not any(_chosen(policy, [pod], "podSelector") for policy in policies):
                 yield doc, pod.path[:-1], (
                     f"no NetworkPolicy selects the group's {pod.role} pods: their watch port (CF_GROUP_PORT) has no "
                     "authentication, so only the pods of the set may reach it (deploy/multi-host/networkpolicy.yaml)")
@@ -704,8 +718,7 @@ def _unguarded_groups(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[t
 
 def _inference_pool_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
     spec = doc.get("spec") or {}
-    match = (spec.get("selector") or {}).get("matchLabels") or {}
-    chosen = [pod for pod in pods if _selects(match, pod.labels)]
+    chosen = _chosen(doc, pods)
     if not chosen:
         yield ["spec", "selector", "matchLabels"], "selects no pod of this kustomization"
     else:
@@ -723,6 +736,21 @@ def _inference_pool_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[t
         yield ["spec", "endpointPickerRef", "port"], "port is required when kind is 'Service' or unspecified"
 
 
+def _deployment_problems(doc: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    strategy = spec.get("strategy") or {}
+    surge = (strategy.get("rollingUpdate") or {}).get("maxSurge", "25%")
+    if _uses_gpus((spec.get("template") or {}).get("spec") or {}) and not (
+            strategy.get("type") == "Recreate" or surge in (0, "0", "0%")):
+        yield ["spec", "strategy"], ("a rollout would start a pod while the old one holds the GPUs: "
+                                     "use Recreate, or RollingUpdate with maxSurge: 0")
+
+
+def _secret_problems(doc: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    yield [], ("a Secret in the manifests puts its value in the repository: create it with "
+               "`kubectl create secret` instead (docs/kubernetes.md)")
+
+
 def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
     """The rules no schema expresses, over all documents of one rendering: (document, path, message)."""
     pods = [pod for doc in docs for pod in pods_of(doc)]
@@ -733,37 +761,22 @@ def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any
             yield pod.owner, path, message
     yield from _worker_metrics_problems(docs, pods)
     yield from _unguarded_groups(docs, pods)
+    # The rules of one document, by its kind.
+    rules: dict[str, Callable[[dict[str, Any]], Iterator[tuple[list[Any], str]]]] = {
+        "Secret": _secret_problems,
+        "LeaderWorkerSet": _lws_problems,
+        "Service": lambda doc: _service_problems(doc, pods, lws_names),
+        "ServiceMonitor": lambda doc: _service_monitor_problems(doc, services),
+        "PodMonitor": lambda doc: _pod_monitor_problems(doc, pods),
+        "NetworkPolicy": lambda doc: _network_policy_problems(doc, pods),
+        "InferencePool": lambda doc: _inference_pool_problems(doc, pods),
+        "Deployment": _deployment_problems,
+    }
     for doc in docs:
-        kind = doc.get("kind")
-        if kind == "Secret":
-            yield doc, [], ("a Secret in the manifests puts its value in the repository: create it with "
-                            "`kubectl create secret` instead (docs/kubernetes.md)")
-        elif kind == "LeaderWorkerSet":
-            for path, message in _lws_problems(doc):
+        rule = rules.get(str(doc.get("kind")))
+        if rule is not None:
+            for path, message in rule(doc):
                 yield doc, path, message
-        elif kind == "Service":
-            for path, message in _service_problems(doc, pods, lws_names):
-                yield doc, path, message
-        elif kind == "ServiceMonitor":
-            for path, message in _service_monitor_problems(doc, services):
-                yield doc, path, message
-        elif kind == "InferencePool":
-            for path, message in _inference_pool_problems(doc, pods):
-                yield doc, path, message
-        elif kind == "PodMonitor":
-            for path, message in _pod_monitor_problems(doc, pods):
-                yield doc, path, message
-        elif kind == "NetworkPolicy":
-            for path, message in _network_policy_problems(doc, pods):
-                yield doc, path, message
-        elif kind == "Deployment":
-            spec = doc.get("spec") or {}
-            strategy = spec.get("strategy") or {}
-            surge = (strategy.get("rollingUpdate") or {}).get("maxSurge", "25%")
-            if _uses_gpus((spec.get("template") or {}).get("spec") or {}) and not (
-                    strategy.get("type") == "Recreate" or surge in (0, "0", "0%")):
-                yield doc, ["spec", "strategy"], ("a rollout would start a pod while the old one holds the GPUs: "
-                                                  "use Recreate, or RollingUpdate with maxSurge: 0")
 
 
 # ---- the check ----------------------------------------------------------------------------------------
