@@ -165,9 +165,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("CF_MASTER_ADDR", "Address of the group's leader, reachable from every host", _text),
     Var("CF_MASTER_PORT", "Port on the leader where the hosts of a group meet (vLLM's --master-port)", _port, 29501),
     Var("CF_GROUP_PORT", "Port on the leader where the runtimes of a group watch each other, so that the group "
-        "stops as one when a host is gone", _port, 29499),
+        "stops as one when a host is gone; it has no authentication: let only the group's hosts reach it",
+        _port, 29499),
     Var("CF_JOIN_TIMEOUT_S", "How long the hosts of a group wait for each other at start and for a collective "
-        "operation (vLLM's --distributed-timeout-seconds)", _seconds, 300.0),
+        "operation (vLLM's --distributed-timeout-seconds); raise it (e.g. 1800) for large models that hosts "
+        "download and load slowly", _seconds, 300.0),
     Var("LWS_GROUP_SIZE", "Set by LeaderWorkerSet: hosts in the group (read when CF_NNODES is unset)",
         _positive_int),
     Var("LWS_WORKER_INDEX", "Set by LeaderWorkerSet: this pod's index, 0 for the leader (read when CF_NODE_RANK "

@@ -12,7 +12,7 @@ Validation, for every rendered document:
 - Kubernetes kinds (Deployment, Service, PersistentVolumeClaim, ...) against the strict JSON schemas
   that the PyPI package kubernetes-validate ships for Kubernetes KUBERNETES_VERSION (unknown fields
   are errors, as with `kubectl apply --validate=strict`);
-- custom resources (LeaderWorkerSet, InferencePool, ServiceMonitor) against the openAPIV3Schema of
+- custom resources (LeaderWorkerSet, InferencePool, ServiceMonitor, PodMonitor) against the openAPIV3Schema of
   their CRDs, vendored in deploy/schemas/ (README.md there records where each comes from). An object
   schema with properties is closed, as the API server's strict field validation treats it; CEL rules
   (x-kubernetes-validations) are not evaluated, except the one rewritten below for InferencePool;
@@ -29,7 +29,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -67,6 +67,9 @@ LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 PROBES = ("readinessProbe", "livenessProbe", "startupProbe")
 GPU = "nvidia.com/gpu"
+#: The runtime's defaults for the ports a pod's environment may move: CF_METRICS_PORT (the --metrics
+#: page), CF_GROUP_PORT (where a group's runtimes watch each other) and CF_MASTER_PORT (where it meets).
+PORT_DEFAULTS = {"CF_METRICS_PORT": 9105, "CF_GROUP_PORT": 29499, "CF_MASTER_PORT": 29501}
 
 _VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -551,7 +554,7 @@ def _service_problems(service: dict[str, Any], pods: list[Pod], lws_names: set[s
 
 def _service_monitor_problems(doc: dict[str, Any], services: list[dict[str, Any]]) -> Iterator[tuple[list[Any], str]]:
     spec = doc.get("spec") or {}
-    match = (spec.get("selector") or {}).get("matchLabels") or {}
+    match = _match_labels(doc)
     chosen = [s for s in services if _selects(match, (s.get("metadata") or {}).get("labels") or {})]
     if not chosen:
         yield ["spec", "selector", "matchLabels"], "selects no Service of this kustomization"
@@ -565,10 +568,157 @@ def _service_monitor_problems(doc: dict[str, Any], services: list[dict[str, Any]
                     f"Service {service['metadata']['name']} has no port named {port!r}")
 
 
+def _port(container: dict[str, Any], variable: str) -> int:
+    """The port ``variable`` (a key of PORT_DEFAULTS) gives this container: its literal value, else the default."""
+    for var in container.get("env") or []:
+        if var.get("name") == variable and "value" in var:
+            try:
+                return int(var["value"])
+            except (TypeError, ValueError):
+                break
+    return PORT_DEFAULTS[variable]
+
+
+def _named_ports(pod: Pod) -> dict[str, int]:
+    return {str(p["name"]): p.get("containerPort") for _, c in _containers(pod.spec) for p in c.get("ports") or []
+            if p.get("name")}
+
+
+def _api_ports(pods: list[Pod]) -> set[Any]:
+    """The ports the LeaderWorkerSet leaders' probes ask: the API, which workers do not serve."""
+    return {(c.get(probe) or {}).get("httpGet", {}).get("port") for pod in pods if pod.role == "leader"
+            for _, c in _containers(pod.spec) for probe in PROBES} - {None}
+
+
+def _match_labels(doc: dict[str, Any], field: str = "selector") -> dict[str, Any]:
+    """The ``matchLabels`` of the document's ``spec.<field>`` (empty when there are none)."""
+    return ((doc.get("spec") or {}).get(field) or {}).get("matchLabels") or {}
+
+
+def _chosen(doc: dict[str, Any], pods: list[Pod], field: str = "selector") -> list[Pod]:
+    """The pods of this rendering that the document's ``spec.<field>`` selects."""
+    match = _match_labels(doc, field)
+    return [pod for pod in pods if _selects(match, pod.labels)]
+
+
+def _pod_monitor_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    chosen = _chosen(doc, pods)
+    if not chosen:
+        yield ["spec", "selector", "matchLabels"], "selects no pod of this kustomization"
+        return
+    api = _api_ports(pods)
+    for index, endpoint in enumerate(spec.get("podMetricsEndpoints") or []):
+        port = endpoint.get("port")
+        if port is None:
+            continue
+        missing = sorted({pod.role for pod in chosen if port not in _named_ports(pod)})
+        if missing:
+            yield ["spec", "podMetricsEndpoints", index, "port"], (
+                f"the selected {' and '.join(missing)} pods have no port named {port!r}")
+        elif port in api and any(pod.role == "worker" for pod in chosen):
+            yield ["spec", "podMetricsEndpoints", index, "port"], (
+                f"port {port!r} is the API, which LeaderWorkerSet workers do not serve: scrape it on the leaders "
+                "(a ServiceMonitor on their Service), and the runtime's metrics port on every pod")
+
+
+def _scrapes(monitor: dict[str, Any], pod: Pod, name: str | None, number: int) -> bool:
+    if not _chosen(monitor, [pod]):
+        return False
+    return any((name is not None and e.get("port") == name) or e.get("portNumber") == number
+               for e in (monitor.get("spec") or {}).get("podMetricsEndpoints") or [])
+
+
+def _worker_metrics_problems(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[tuple[dict[str, Any],
+                                                                                            list[Any], str]]:
+    """A LeaderWorkerSet worker started with --metrics serves its own page (its data-parallel ranks'
+    series are on no other): some PodMonitor must scrape it."""
+    monitors = [doc for doc in docs if doc.get("kind") == "PodMonitor"]
+    for pod in pods:
+        if pod.role != "worker":
+            continue
+        for where, container in _containers(pod.spec):
+            if "--metrics" not in [str(arg) for arg in [*(container.get("command") or []),
+                                                         *(container.get("args") or [])]]:
+                continue
+            number = _port(container, "CF_METRICS_PORT")
+            name = next((str(p["name"]) for p in container.get("ports") or []
+                         if p.get("containerPort") == number and p.get("name")), None)
+            if not any(_scrapes(monitor, pod, name, number) for monitor in monitors):
+                yield pod.owner, [*pod.path, *where], (
+                    f"the workers' metrics page (--metrics, port {name or number}) is scraped by no PodMonitor: "
+                    "the series of their data-parallel ranks would be lost; add a PodMonitor that selects every "
+                    "pod of the set (deploy/multi-host/podmonitor.yaml)")
+
+
+def _group_ports(pods: list[Pod]) -> dict[int, str]:
+    """The ports of a LeaderWorkerSet group that only its own pods may reach, with what each is."""
+    out: dict[int, str] = {}
+    for pod in pods:
+        if pod.role in ("leader", "worker"):
+            for _, container in _containers(pod.spec):
+                out[_port(container, "CF_GROUP_PORT")] = "the runtimes' watch port (CF_GROUP_PORT)"
+                out[_port(container, "CF_MASTER_PORT")] = "where the group meets (CF_MASTER_PORT)"
+    return out
+
+
+def _network_policy_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    chosen = _chosen(doc, pods, "podSelector")
+    if not chosen:
+        yield ["spec", "podSelector", "matchLabels"], "selects no pod of this kustomization"
+        return
+    named = {name: number for pod in chosen for name, number in _named_ports(pod).items()}
+    guarded = _group_ports(chosen)
+    group = [pod for pod in chosen if pod.role in ("leader", "worker")]
+    rules = spec.get("ingress") or []
+    for index, rule in enumerate(rules):
+        opened = []
+        for at, entry in enumerate(rule.get("ports") or []):
+            port = entry.get("port")
+            if isinstance(port, str) and port not in named:
+                yield ["spec", "ingress", index, "ports", at, "port"], f"no selected pod has a port named {port!r}"
+            opened.append(named.get(port) if isinstance(port, str) else port)
+        if rule.get("from") or not group:
+            continue
+        if not rule.get("ports"):
+            yield ["spec", "ingress", index], ("opens every port of the group's pods to every source, the group's "
+                                               "own ports included: list the ports (the API and the metrics)")
+        for number in sorted({p for p in opened if p in guarded}):
+            yield ["spec", "ingress", index, "ports"], (
+                f"opens port {number}, {guarded[number]}, to every source: it has no authentication, so a stranger "
+                "could stop the group; allow it from the pods of the set only")
+    if group and not any(_opens_every_port_to(rule, group) for rule in rules):
+        yield ["spec", "ingress"], ("no rule lets the pods of the group reach each other on every port: they meet "
+                                    "on CF_MASTER_PORT and CF_GROUP_PORT, and vLLM opens its own ports between "
+                                    "hosts; allow every port from a podSelector on the set's pods")
+
+
+def _opens_every_port_to(rule: dict[str, Any], group: list[Pod]) -> bool:
+    """Does this ingress rule let every pod of ``group`` in on every port (a podSelector in this namespace)?"""
+    if not rule.get("from") or rule.get("ports"):
+        return False
+    peers = [peer for peer in rule["from"] if "namespaceSelector" not in peer and "ipBlock" not in peer]
+    return all(any(_selects((peer.get("podSelector") or {}).get("matchLabels") or {}, pod.labels) for peer in peers)
+               for pod in group)
+
+
+def _unguarded_groups(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
+    """Each LeaderWorkerSet's pods are selected by a NetworkPolicy: the watch port has no authentication."""
+    policies = [doc for doc in docs if doc.get("kind") == "NetworkPolicy"]
+    for doc in docs:
+        if doc.get("kind") != "LeaderWorkerSet":
+            continue
+        for pod in (p for p in pods if p.owner is doc):
+            if not any(_chosen(policy, [pod], "podSelector") for policy in policies):
+                yield doc, pod.path[:-1], (
+                    f"no NetworkPolicy selects the group's {pod.role} pods: their watch port (CF_GROUP_PORT) has no "
+                    "authentication, so only the pods of the set may reach it (deploy/multi-host/networkpolicy.yaml)")
+
+
 def _inference_pool_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
     spec = doc.get("spec") or {}
-    match = (spec.get("selector") or {}).get("matchLabels") or {}
-    chosen = [pod for pod in pods if _selects(match, pod.labels)]
+    chosen = _chosen(doc, pods)
     if not chosen:
         yield ["spec", "selector", "matchLabels"], "selects no pod of this kustomization"
     else:
@@ -586,6 +736,21 @@ def _inference_pool_problems(doc: dict[str, Any], pods: list[Pod]) -> Iterator[t
         yield ["spec", "endpointPickerRef", "port"], "port is required when kind is 'Service' or unspecified"
 
 
+def _deployment_problems(doc: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    strategy = spec.get("strategy") or {}
+    surge = (strategy.get("rollingUpdate") or {}).get("maxSurge", "25%")
+    if _uses_gpus((spec.get("template") or {}).get("spec") or {}) and not (
+            strategy.get("type") == "Recreate" or surge in (0, "0", "0%")):
+        yield ["spec", "strategy"], ("a rollout would start a pod while the old one holds the GPUs: "
+                                     "use Recreate, or RollingUpdate with maxSurge: 0")
+
+
+def _secret_problems(doc: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    yield [], ("a Secret in the manifests puts its value in the repository: create it with "
+               "`kubectl create secret` instead (docs/kubernetes.md)")
+
+
 def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
     """The rules no schema expresses, over all documents of one rendering: (document, path, message)."""
     pods = [pod for doc in docs for pod in pods_of(doc)]
@@ -594,31 +759,24 @@ def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any
     for pod in pods:
         for path, message in _pod_problems(pod):
             yield pod.owner, path, message
+    yield from _worker_metrics_problems(docs, pods)
+    yield from _unguarded_groups(docs, pods)
+    # The rules of one document, by its kind.
+    rules: dict[str, Callable[[dict[str, Any]], Iterator[tuple[list[Any], str]]]] = {
+        "Secret": _secret_problems,
+        "LeaderWorkerSet": _lws_problems,
+        "Service": lambda doc: _service_problems(doc, pods, lws_names),
+        "ServiceMonitor": lambda doc: _service_monitor_problems(doc, services),
+        "PodMonitor": lambda doc: _pod_monitor_problems(doc, pods),
+        "NetworkPolicy": lambda doc: _network_policy_problems(doc, pods),
+        "InferencePool": lambda doc: _inference_pool_problems(doc, pods),
+        "Deployment": _deployment_problems,
+    }
     for doc in docs:
-        kind = doc.get("kind")
-        if kind == "Secret":
-            yield doc, [], ("a Secret in the manifests puts its value in the repository: create it with "
-                            "`kubectl create secret` instead (docs/kubernetes.md)")
-        elif kind == "LeaderWorkerSet":
-            for path, message in _lws_problems(doc):
+        rule = rules.get(str(doc.get("kind")))
+        if rule is not None:
+            for path, message in rule(doc):
                 yield doc, path, message
-        elif kind == "Service":
-            for path, message in _service_problems(doc, pods, lws_names):
-                yield doc, path, message
-        elif kind == "ServiceMonitor":
-            for path, message in _service_monitor_problems(doc, services):
-                yield doc, path, message
-        elif kind == "InferencePool":
-            for path, message in _inference_pool_problems(doc, pods):
-                yield doc, path, message
-        elif kind == "Deployment":
-            spec = doc.get("spec") or {}
-            strategy = spec.get("strategy") or {}
-            surge = (strategy.get("rollingUpdate") or {}).get("maxSurge", "25%")
-            if _uses_gpus((spec.get("template") or {}).get("spec") or {}) and not (
-                    strategy.get("type") == "Recreate" or surge in (0, "0", "0%")):
-                yield doc, ["spec", "strategy"], ("a rollout would start a pod while the old one holds the GPUs: "
-                                                  "use Recreate, or RollingUpdate with maxSurge: 0")
 
 
 # ---- the check ----------------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ def serve(
     context_key: str | None = typer.Option(None, "--context-key",
                                            help="Recipe to serve: model:quant:workload:hardware."),
     strict_hardware: bool = typer.Option(False, "--strict-hardware",
-                                         help="Refuse to start when the GPUs do not match the key's hardware."),
+                                         help="Refuse to start when the GPUs do not match the key's hardware "
+                                              "(a host of a multi-host group always refuses)."),
     request_trace: str = typer.Option("off", "--request-trace", help="Trace level: off, standard or full."),
     trace_file: str | None = typer.Option(None, "--trace-file", help="Append one JSON line per request here."),
     trace_endpoint: str | None = typer.Option(None, "--trace-endpoint", help="OTLP collector URL."),

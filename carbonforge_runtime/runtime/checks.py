@@ -3,7 +3,8 @@
 Three checks, in this order, each reading the host only as far as it must:
 
 * the licence gate (a premium recipe or model needs a licence that entitles it);
-* the hardware match (the GPUs against the key's hardware segment; ``--strict-hardware`` refuses);
+* the hardware match (the GPUs against the key's hardware segment; ``--strict-hardware`` refuses, and
+  so does a host of a multi-host group, whose mismatch would stall or break the whole group);
 * the pre-flight, the doctor's quick subset for this plan (ports, directories, the engine install),
   which refuses the launch on a FAIL unless the run is a dry run.
 
@@ -33,6 +34,7 @@ from carbonforge_runtime.runtime.doctor import (
     run_checks,
 )
 from carbonforge_runtime.runtime.doctor.report import REMEDY_PREFIX, check_line
+from carbonforge_runtime.runtime.group import Group, hardware_remedy
 from carbonforge_runtime.runtime.launch_plan import engine_args
 from carbonforge_runtime.runtime.licensing.core import format_time
 from carbonforge_runtime.runtime.licensing.gate import gate_draft_models, gate_override, gate_recipe
@@ -40,6 +42,11 @@ from carbonforge_runtime.runtime.plan import ServeOptions, ServePlan
 from carbonforge_runtime.settings import Settings
 
 PREFLIGHT_PREFIX = "pre-flight: "
+
+
+class GroupHardwareMismatch(HardwareMismatchError):
+    """A host of a multi-host group does not have the GPUs of the recipe's host split: refused with or
+    without --strict-hardware (same exit code)."""
 
 
 class PreflightFailed(CarbonForgeError):
@@ -75,7 +82,8 @@ class Verdicts:
         out += [f"hardware mismatch:  {line}" for line in self.hardware_problems]
         for exc in self.refusals:
             if isinstance(exc, HardwareMismatchError):
-                out += ["hardware:           REFUSED (--strict-hardware): a launch would not start",
+                why = "a host of a multi-host group" if isinstance(exc, GroupHardwareMismatch) else "--strict-hardware"
+                out += [f"hardware:           REFUSED ({why}): a launch would not start",
                         f"                    fix: {exc.remedy}"]
         if self.preflight_ran:
             out.append(f"pre-flight:         {_preflight_summary(self.preflight)}")
@@ -126,8 +134,16 @@ def check_hardware(recipe: Recipe | None, gpu: GpuBackend, strict: bool) -> tupl
     return problems, snapshot
 
 
-def hardware_refusal(recipe: Recipe, problems: list[str]) -> HardwareMismatchError:
-    """The --strict-hardware refusal for these mismatches."""
+def hardware_refusal(recipe: Recipe, problems: list[str], group: Group | None = None) -> HardwareMismatchError:
+    """The refusal for these mismatches: a host of a group is refused whatever the flags say (each host
+    runs the same share of the model, so one host on other GPUs stalls or breaks the whole group, or
+    leaves the others idle); a host alone only with --strict-hardware."""
+    if group is not None:
+        return GroupHardwareMismatch(
+            f"this host ({group.role}, rank {group.rank} of {group.nnodes} hosts) does not have the GPUs of "
+            f"{recipe.key.hardware}: " + "; ".join(problems),
+            hardware_remedy(recipe),
+        )
     return HardwareMismatchError(
         f"the detected hardware does not match {recipe.key.hardware}: " + "; ".join(problems),
         "serve a key whose hardware segment matches this host (`carbonforge-runtime recipes list`), "

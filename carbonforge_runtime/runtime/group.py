@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes import Recipe
+from carbonforge_runtime.recipes.keys import HardwareSpec
 from carbonforge_runtime.settings import Settings, VarName
 
 #: What a worker runs: vLLM's ``serve`` subcommand (the only entry point that runs ``--headless``)
@@ -145,6 +146,23 @@ def check_recipe_fits(recipe: Recipe | None, group: Group | None) -> None:
             f"({', '.join(group.sources)})",
             f"run the recipe on a group of {split.nodes} hosts, or pick the key for your host count",
         )
+
+
+def hardware_remedy(recipe: Recipe) -> str:
+    """The fix for a host of a group whose GPUs differ from the recipe's (the doctor's check and the
+    launch's refusal give the same one). Every host of a group runs the same share of the model, so
+    each needs the GPUs of the recipe's host split."""
+    spec = recipe.key.hardware
+    per_host = recipe.hosts.gpus_per_node if recipe.hosts is not None else spec.count
+    return (f"run every host of the group on {per_host} {_gpu_name(spec)} GPU(s), as {spec} says (on Kubernetes: "
+            f"request nvidia.com/gpu: {per_host} and pin the pods to nodes of that GPU with a nodeSelector "
+            "on nvidia.com/gpu.product), or serve the key whose hardware segment matches the group's hosts "
+            "(`carbonforge-runtime recipes list`); a host of a group does not start on other GPUs, "
+            "--strict-hardware or not")
+
+
+def _gpu_name(spec: HardwareSpec) -> str:
+    return spec.family.upper() + (f" {spec.memory_gb} GB" if spec.memory_gb else "")
 
 
 def check_no_group_flags(args: Sequence[str]) -> None:

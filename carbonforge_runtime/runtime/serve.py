@@ -116,8 +116,11 @@ def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str
         licence = None
         refusals.append(exc)
     problems, snapshot = check_hardware(plan.recipe, gpu, strict=False)
-    if problems and options.strict_hardware and plan.recipe is not None:
-        refusal = hardware_refusal(plan.recipe, problems)
+    # A host of a multi-host group refuses a mismatch whatever the flags: on other GPUs it would stall
+    # or break the whole group. A host alone serves anyway unless --strict-hardware.
+    group = plan.launch.group
+    if problems and (options.strict_hardware or group is not None) and plan.recipe is not None:
+        refusal = hardware_refusal(plan.recipe, problems, group)
         if not options.dry_run:
             raise refusal
         refusals.append(refusal)
@@ -227,8 +230,11 @@ def serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str],
         runtime_log.close()
 
 
-def _hardware_outcome(options: ServeOptions) -> list[str]:
+def _hardware_outcome(options: ServeOptions, in_group: bool = False) -> list[str]:
     """What the hardware-mismatch banner says happens next."""
+    if options.dry_run and in_group:
+        return ["Dry run: a host of a multi-host group refuses to start on other GPUs, so a launch would",
+                "not start (with or without --strict-hardware)."]
     if options.dry_run and options.strict_hardware:
         return ["Dry run: with --strict-hardware a launch would refuse to start on this host."]
     if options.dry_run:
@@ -247,7 +253,7 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     plan = prepared.plan
     if prepared.hardware_problems and plan.recipe:
         lines = [f"HARDWARE MISMATCH for {plan.recipe.key_text}", *prepared.hardware_problems,
-                 *_hardware_outcome(options)]
+                 *_hardware_outcome(options, plan.group is not None)]
         logger.warning("\n%s", cflog.banner(lines))
     if not options.skip_preflight:
         # Prints WARN/FAIL lines; raises on a FAIL unless this is a dry run.

@@ -221,3 +221,18 @@ def test_the_key_is_in_no_log_trace_or_argument_list(session: Session) -> None:
     assert session.trace.stat().st_size > 0
     assert "API keys" not in runtime.output() or API_KEY not in runtime.output()
     assert os.environ.get("CF_API_KEY") != API_KEY  # the key reached the runtime through its own environment
+
+
+def test_vllms_own_metrics_stay_open_on_the_api_port(session: Session) -> None:
+    """An endpoint picker (the Gateway API Inference Extension's) scrapes vLLM's /metrics on the API port
+    without a key: vLLM's key check covers /v1, /v2, /inference and /cohere only, and the request
+    contract lets every GET it does not guard through. vLLM creates both gauges, one series per engine,
+    when its stat logger starts, so they are there before any request."""
+    page = httpx.get(session.runtime.base_url.removesuffix("/v1") + "/metrics", timeout=30)
+    assert page.status_code == 200, page.text[:500]
+    assert page.headers["content-type"].startswith("text/plain")
+    for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert f"# TYPE {name} gauge" in page.text, name
+        assert any(line.startswith(name + "{") for line in page.text.splitlines()), name
+    # the key is still required where vLLM guards
+    assert httpx.get(session.runtime.base_url + "/models", timeout=30).status_code == 401

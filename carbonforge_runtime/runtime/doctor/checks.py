@@ -47,6 +47,7 @@ from carbonforge_runtime.runtime.doctor.model import (
     WARN,
     Check,
 )
+from carbonforge_runtime.runtime.group import hardware_remedy
 from carbonforge_runtime.runtime.hf_cache import missing_summary
 from carbonforge_runtime.runtime.privacy import (
     MODELSCOPE_VARIABLE,
@@ -280,6 +281,11 @@ def _hardware_match(facts: DoctorFacts, rf: RecipeFacts) -> list[Check]:
     if not problems:
         names = ", ".join(sorted({d.name for d in facts.gpu.devices}))
         return [Check(RECIPE, "recipe.hardware", OK, f"the GPUs match {spec} ({facts.gpu.count}x {names})")]
+    if facts.group is not None and facts.group.hosts > 1:
+        # A host of a group is refused at launch whatever the flags: it would stall or break the group.
+        fix = hardware_remedy(rf.recipe)
+        return [Check(RECIPE, "recipe.hardware", FAIL, f"{problem}: a host of a multi-host group does not start",
+                      fix) for problem in problems]
     remedy = ("serve a key whose hardware segment matches this host (`carbonforge-runtime recipes list`); "
               "served here anyway, the recipe's figures do not apply (--strict-hardware refuses instead)")
     checks = []
@@ -771,7 +777,8 @@ CHECKS: tuple[CheckInfo, ...] = (
     CheckInfo("recipe.override", RECIPE, "`CF_*` overrides and extra vLLM flags",
               "one departs from the benchmarked recipe (WARN)"),
     CheckInfo("recipe.hardware", RECIPE, "the GPUs against the key's hardware segment",
-              "they differ in family, memory or count (WARN); fewer GPUs than the recipe needs (FAIL)"),
+              "they differ in family, memory or count (WARN); fewer GPUs than the recipe needs, or any "
+              "difference on a host of a multi-host group (FAIL)"),
     CheckInfo("recipe.memory", RECIPE, "the recipe's GPU memory fraction against the memory free now",
               "it does not fit (FAIL; the fix suggests a `CF_GPU_MEMORY_UTILIZATION` that fits) or barely fits "
               "(WARN)"),

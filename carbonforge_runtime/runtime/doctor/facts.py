@@ -215,6 +215,8 @@ class GroupFacts:
     #: "open" (something listens), "refused" (the host answers, nothing listens yet) or "unreachable".
     reach: str = ""
     reach_detail: str = ""
+    #: The group's size when the place adds up (0 otherwise, 1 for a host alone).
+    hosts: int = 0
 
 
 @dataclass(frozen=True)
@@ -702,14 +704,14 @@ def group_facts(settings: Settings, probes: Probes) -> GroupFacts | None:
     except CarbonForgeError as exc:
         return GroupFacts(problem=exc.message, remedy=exc.remedy)
     if group is None:
-        return GroupFacts(role="serves alone (a group of one host)")
+        return GroupFacts(role="serves alone (a group of one host)", hosts=1)
     if group.leader:
-        return GroupFacts(role=group.describe())
+        return GroupFacts(role=group.describe(), hosts=group.nnodes)
     # The leader's runtime opens its watch port as soon as it starts (vLLM's ports come later).
     reach, detail = _guarded(lambda: probes.leader(group.master_addr, group.watch_port),
                              lambda exc: ("unreachable", _unexpected(exc)))
     return GroupFacts(group.describe(), leader=f"{group.master_addr}:{group.watch_port}", reach=reach,
-                      reach_detail=detail)
+                      reach_detail=detail, hosts=group.nnodes)
 
 
 __all__ = [

@@ -97,11 +97,12 @@ def test_the_check_script_passes_on_the_repository(capsys: pytest.CaptureFixture
     assert code == 0, output
     assert "3 kustomization(s)" in output and "Kubernetes 1.37" in output
     assert "LeaderWorkerSet" in output and "InferencePool" in output and "ServiceMonitor" in output
+    assert "PodMonitor" in output
 
 
 @pytest.mark.parametrize(("layout", "kinds"), [
     ("single-host", {"Deployment", "Service", "ServiceMonitor", "PersistentVolumeClaim"}),
-    ("multi-host", {"LeaderWorkerSet", "Service", "ServiceMonitor"}),
+    ("multi-host", {"LeaderWorkerSet", "Service", "ServiceMonitor", "PodMonitor", "NetworkPolicy"}),
     ("inference-pool", {"Deployment", "Service", "ServiceMonitor", "PersistentVolumeClaim", "InferencePool"}),
 ])
 def test_each_layout_renders_its_objects(rendered: dict[str, list[dict[str, Any]]], layout: str,
@@ -116,6 +117,7 @@ def test_every_kind_is_checked_against_a_schema(schemas: Any, rendered: dict[str
     assert ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet") in schemas.crds
     assert ("inference.networking.k8s.io/v1", "InferencePool") in schemas.crds
     assert ("monitoring.coreos.com/v1", "ServiceMonitor") in schemas.crds
+    assert ("monitoring.coreos.com/v1", "PodMonitor") in schemas.crds
 
 
 def test_kubectl_comes_from_the_virtual_environment() -> None:
@@ -426,6 +428,122 @@ def test_the_multi_host_group(rendered: dict[str, list[dict[str, Any]]]) -> None
         _one(rendered["multi-host"], "LeaderWorkerSet")["metadata"]["name"]
 
 
+def test_the_runtime_metrics_of_every_pod_of_the_group_are_scraped(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["multi-host"]
+    lws = _one(docs, "LeaderWorkerSet")
+    pods = cm.pods_of(lws)
+    assert {pod.role for pod in pods} == {"leader", "worker"}
+    monitor = _one(docs, "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert all(cm._selects(monitor["spec"]["selector"]["matchLabels"], pod.labels) for pod in pods)
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["podMetricsEndpoints"]] == [("metrics", "/metrics")]
+    assert LEADER_INDEX_LABEL in monitor["spec"]["podTargetLabels"]  # each series says which pod it is from
+    # vLLM's own page is on the leaders only: the ServiceMonitor scrapes it there, and not 9105 a second time
+    service_monitor = _one(docs, "ServiceMonitor")
+    assert [e["port"] for e in service_monitor["spec"]["endpoints"]] == ["http"]
+
+
+def test_the_group_ports_are_open_to_the_pods_of_the_set_only(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["multi-host"]
+    policy = _one(docs, "NetworkPolicy")
+    pods = cm.pods_of(_one(docs, "LeaderWorkerSet"))
+    assert all(cm._selects(policy["spec"]["podSelector"]["matchLabels"], pod.labels) for pod in pods)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    inside, anyone = policy["spec"]["ingress"]
+    assert "ports" not in inside and all(cm._selects(inside["from"][0]["podSelector"]["matchLabels"], pod.labels)
+                                         for pod in pods)
+    assert "from" not in anyone and {p["port"] for p in anyone["ports"]} == {"http", "metrics"}
+
+
+def test_without_a_pod_monitor_the_workers_metrics_are_lost(schemas: Any,
+                                                           rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = [doc for doc in copy.deepcopy(rendered["multi-host"]) if doc["kind"] != "PodMonitor"]
+    problems = _problems(schemas, "multi-host", docs)
+    assert problems == ["deploy/multi-host: LeaderWorkerSet/carbonforge-multihost: "
+                        "spec.leaderWorkerTemplate.workerTemplate.spec.containers[0]: the workers' metrics page "
+                        "(--metrics, port metrics) is scraped by no PodMonitor: the series of their data-parallel "
+                        "ranks would be lost; add a PodMonitor that selects every pod of the set "
+                        "(deploy/multi-host/podmonitor.yaml)"], problems
+
+
+def test_a_pod_monitor_that_selects_the_leaders_only_fails(schemas: Any,
+                                                           rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = copy.deepcopy(rendered["multi-host"])
+    _one(docs, "PodMonitor")["spec"]["selector"]["matchLabels"][LEADER_INDEX_LABEL] = "0"
+    problems = _problems(schemas, "multi-host", docs)
+    assert len(problems) == 1 and "is scraped by no PodMonitor" in problems[0], problems
+
+
+@pytest.mark.parametrize(("port", "message"), [
+    ("http", "PodMonitor/carbonforge-multihost: spec.podMetricsEndpoints[0].port: port 'http' is the API, which "
+             "LeaderWorkerSet workers do not serve"),
+    ("metricz", "PodMonitor/carbonforge-multihost: spec.podMetricsEndpoints[0].port: the selected leader and "
+                "worker pods have no port named 'metricz'"),
+])
+def test_a_pod_monitor_on_a_port_the_pods_do_not_serve_fails(schemas: Any, rendered: dict[str, list[dict[str, Any]]],
+                                                             port: str, message: str) -> None:
+    docs = copy.deepcopy(rendered["multi-host"])
+    _one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] = port
+    problems = _problems(schemas, "multi-host", docs)
+    assert any(message in p for p in problems), problems
+
+
+def test_a_wrong_field_in_the_pod_monitor_fails_against_its_crd(schemas: Any,
+                                                                rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = copy.deepcopy(rendered["multi-host"])
+    monitor = _one(docs, "PodMonitor")
+    monitor["spec"]["podMetricEndpoints"] = monitor["spec"].pop("podMetricsEndpoints")
+    problems = _problems(schemas, "multi-host", docs)
+    assert any("PodMonitor/carbonforge-multihost: spec.podMetricEndpoints: unknown field 'podMetricEndpoints'" in p
+               for p in problems), problems
+
+
+def test_a_wrong_field_in_the_network_policy_fails(schemas: Any, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = copy.deepcopy(rendered["multi-host"])
+    _one(docs, "NetworkPolicy")["spec"]["ingres"] = []
+    problems = _problems(schemas, "multi-host", docs)
+    assert any("NetworkPolicy/carbonforge-multihost-group: spec.ingres: unknown field 'ingres'" in p
+               for p in problems), problems
+
+
+def test_without_a_network_policy_the_watch_port_is_open(schemas: Any,
+                                                         rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = [doc for doc in copy.deepcopy(rendered["multi-host"]) if doc["kind"] != "NetworkPolicy"]
+    problems = _problems(schemas, "multi-host", docs)
+    assert len(problems) == 2, problems  # the leaders and the workers
+    assert all("no NetworkPolicy selects the group's" in p and "watch port (CF_GROUP_PORT) has no authentication"
+               in p for p in problems), problems
+
+
+@pytest.mark.parametrize(("ports", "message"), [
+    ([{"port": 29499, "protocol": "TCP"}], "opens port 29499, the runtimes' watch port (CF_GROUP_PORT), to every "
+                                           "source"),
+    ([{"port": "master", "protocol": "TCP"}], "opens port 29500, where the group meets (CF_MASTER_PORT), to every "
+                                              "source"),
+    (None, "opens every port of the group's pods to every source"),
+    ([{"port": "api", "protocol": "TCP"}], "no selected pod has a port named 'api'"),
+])
+def test_a_network_policy_that_opens_the_group_ports_to_anyone_fails(
+        schemas: Any, rendered: dict[str, list[dict[str, Any]]], ports: Any, message: str) -> None:
+    docs = copy.deepcopy(rendered["multi-host"])
+    anyone = _one(docs, "NetworkPolicy")["spec"]["ingress"][1]
+    if ports is None:
+        del anyone["ports"]
+    else:
+        anyone["ports"] += ports
+    problems = _problems(schemas, "multi-host", docs)
+    assert any(message in p for p in problems), problems
+
+
+def test_a_network_policy_that_cuts_the_group_apart_fails(schemas: Any,
+                                                          rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = copy.deepcopy(rendered["multi-host"])
+    inside = _one(docs, "NetworkPolicy")["spec"]["ingress"][0]
+    inside["ports"] = [{"port": "master", "protocol": "TCP"}]  # vLLM's own ports between hosts stay shut
+    problems = _problems(schemas, "multi-host", docs)
+    assert any("no rule lets the pods of the group reach each other on every port" in p for p in problems), problems
+
+
 def test_the_inference_pool(rendered: dict[str, list[dict[str, Any]]]) -> None:
     docs = rendered["inference-pool"]
     deployment, pool = _one(docs, "Deployment"), _one(docs, "InferencePool")
@@ -449,7 +567,7 @@ def test_the_grace_period_rule_follows_the_recipes_and_the_runtime() -> None:
 def test_the_vendored_crds_are_recorded() -> None:
     readme = (DEPLOY / "schemas" / "README.md").read_text(encoding="utf-8")
     files = sorted((DEPLOY / "schemas").glob("*.yaml"))
-    assert len(files) == 3
+    assert len(files) == 4
     for path in files:
         rows = [line for line in readme.splitlines() if line.startswith(f"| `{path.name}` |")]
         assert len(rows) == 1, f"deploy/schemas/README.md has no row for {path.name}"

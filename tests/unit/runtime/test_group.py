@@ -15,13 +15,16 @@ import pytest
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs
+from carbonforge_runtime.recipes.loader import resolve
+from carbonforge_runtime.runtime import serve as serve_module
+from carbonforge_runtime.runtime.checks import GroupHardwareMismatch
 from carbonforge_runtime.runtime.doctor.checks import run_checks
 from carbonforge_runtime.runtime.doctor.facts import DOCTOR, DoctorRequest, SystemProbes, collect_facts
 from carbonforge_runtime.runtime.doctor.fake import FixedProbes
-from carbonforge_runtime.runtime.group import GroupFlags, resolve_group
+from carbonforge_runtime.runtime.group import GroupFlags, hardware_remedy, resolve_group
 from carbonforge_runtime.runtime.launch_plan import engine_args
 from carbonforge_runtime.runtime.plan import ServeOptions, build_plan
-from carbonforge_runtime.runtime.serve import serve
+from carbonforge_runtime.runtime.serve import prepare, serve
 from carbonforge_runtime.settings import load_settings
 
 MULTI_KEY = "qwen3.6-27b:fp8:agentic:2xh100x8"
@@ -142,6 +145,81 @@ def test_a_multi_host_key_needs_its_group() -> None:
     with pytest.raises(UsageError) as three:
         plan_for({"CF_NNODES": "3", "CF_NODE_RANK": "0", "CF_MASTER_ADDR": "a"}, context_key=MULTI_KEY)
     assert "the group has 3" in three.value.message
+
+
+# ---- a host of a group on the wrong GPUs ------------------------------------------------------------
+
+@pytest.fixture
+def no_licence_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The premium recipes pass the licence gate, so that the hardware check is what decides."""
+    monkeypatch.setattr(serve_module, "check_licence", lambda *args, **kwargs: None)
+
+
+@pytest.mark.usefixtures("no_licence_gate")
+@pytest.mark.parametrize("env", [LWS_WORKER, LWS_LEADER, CF_WORKER, CF_LEADER],
+                         ids=["lws-worker", "lws-leader", "cf-worker", "cf-leader"])
+def test_a_host_of_a_group_on_other_gpus_is_refused_with_the_doctors_remedy(env: dict[str, str]) -> None:
+    two_l4 = FakeGpuBackend(host("l4", count=2))
+    with pytest.raises(GroupHardwareMismatch) as refused:
+        prepare(ServeOptions(context_key=MULTI_KEY), load_settings(env), env, two_l4)
+    assert refused.value.exit_code == 3  # the --strict-hardware refusal's code, without the flag
+    role = "leader, rank 0" if env in (LWS_LEADER, CF_LEADER) else "worker, rank 1"
+    assert f"this host ({role} of 2 hosts) does not have the GPUs of 2xh100x8" in refused.value.message
+    assert "needs 8 GPU(s), 2 detected" in refused.value.message and "NVIDIA L4" in refused.value.message
+    assert refused.value.remedy == hardware_remedy(resolve(MULTI_KEY, RECIPES))
+    assert "8 H100 GPU(s)" in refused.value.remedy
+    # the doctor on the same host FAILs the comparison with the same remedy
+    doctor = collect_facts(DoctorRequest(mode=DOCTOR, context_key=MULTI_KEY), load_settings(env), env, two_l4,
+                           probes=FixedProbes())
+    hardware = [c for c in run_checks(doctor) if c.name == "recipe.hardware"]
+    assert hardware and all(c.status == "FAIL" and c.remedy == refused.value.remedy for c in hardware)
+
+
+@pytest.mark.usefixtures("no_licence_gate")
+def test_one_wrong_gpu_is_enough_to_refuse_a_host_of_a_group() -> None:
+    """Eight GPUs of the right count but another memory size: still refused, not a warning."""
+    h200 = FakeGpuBackend(host("h200", count=8))
+    with pytest.raises(GroupHardwareMismatch, match="tuned for H100, detected NVIDIA H200"):
+        prepare(ServeOptions(context_key=MULTI_KEY), load_settings(LWS_WORKER), LWS_WORKER, h200)
+    no_gpu = FakeGpuBackend(host(None))
+    with pytest.raises(GroupHardwareMismatch, match="no GPU can be inspected"):
+        prepare(ServeOptions(context_key=MULTI_KEY), load_settings(LWS_WORKER), LWS_WORKER, no_gpu)
+
+
+@pytest.mark.usefixtures("no_licence_gate")
+@pytest.mark.parametrize("env", [LWS_WORKER, CF_LEADER], ids=["lws-worker", "cf-leader"])
+def test_a_host_of_a_group_on_the_recipes_gpus_passes(env: dict[str, str]) -> None:
+    right = FakeGpuBackend(host("h100", count=8))
+    prepared = prepare(ServeOptions(context_key=MULTI_KEY), load_settings(env), env, right)
+    assert prepared.hardware_problems == [] and prepared.verdicts.refusals == []
+    doctor = collect_facts(DoctorRequest(mode=DOCTOR, context_key=MULTI_KEY), load_settings(env), env, right,
+                           probes=FixedProbes())
+    assert [c.status for c in run_checks(doctor) if c.name == "recipe.hardware"] == ["OK"]
+
+
+@pytest.mark.usefixtures("no_licence_gate")
+def test_a_host_alone_on_other_gpus_still_only_warns() -> None:
+    two_l4 = FakeGpuBackend(host("l4", count=2))
+    prepared = prepare(ServeOptions(context_key=SINGLE_KEY), load_settings({}), {}, two_l4)
+    assert prepared.hardware_problems and prepared.verdicts.refusals == []
+    doctor = collect_facts(DoctorRequest(mode=DOCTOR, context_key=SINGLE_KEY), load_settings({}), {}, two_l4,
+                           probes=FixedProbes())
+    statuses = {c.detail: c.status for c in run_checks(doctor) if c.name == "recipe.hardware"}
+    assert statuses["the recipe is tuned for H100, detected NVIDIA L4"] == "WARN"
+    assert "--strict-hardware refuses instead" in next(c.remedy for c in run_checks(doctor)
+                                                         if c.status == "WARN" and c.name == "recipe.hardware")
+
+
+@pytest.mark.usefixtures("no_licence_gate")
+def test_the_dry_run_of_a_worker_on_other_gpus_says_a_launch_would_be_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    full = {"CF_LOG_DIR": "/nonexistent/logs", **LWS_WORKER}
+    code = serve(ServeOptions(dry_run=True, skip_preflight=True, context_key=MULTI_KEY), load_settings(full), full,
+                 FakeGpuBackend(host("l4", count=2)))
+    out = capsys.readouterr().out
+    assert code == 3
+    assert "hardware:           REFUSED (a host of a multi-host group): a launch would not start" in out
+    assert "fix: run every host of the group on 8 H100 GPU(s)" in out
 
 
 @pytest.mark.parametrize("extra", [["--nnodes", "2"], ["--headless"], ["--node-rank=1"], ["--master-addr", "x"]])
