@@ -20,6 +20,7 @@ VLLM_KNOBS: dict[str, type] = {
     "max_num_seqs": int,
     "max_model_len": int,
     "max_num_batched_tokens": int,
+    "long_prefill_token_threshold": int,
     "gpu_memory_utilization": float,
     "tensor_parallel_size": int,
     "pipeline_parallel_size": int,
@@ -223,6 +224,9 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
     for name in ("max_num_seqs", "max_model_len", "tensor_parallel_size"):
         if name in knobs and knobs[name] < 1:
             raise vllm_fields.fail(name, f"must be at least 1, got {knobs[name]}")
+    if knobs.get("long_prefill_token_threshold", 0) < 0:
+        raise vllm_fields.fail("long_prefill_token_threshold", "must be 0 (no threshold) or a positive number of "
+                               f"tokens, got {knobs['long_prefill_token_threshold']}")
     extra = vllm_fields.get("extra_args", list, default=[])
     if not all(isinstance(arg, str) for arg in extra):
         raise vllm_fields.fail("extra_args", "must be a list of strings")
