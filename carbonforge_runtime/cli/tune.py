@@ -79,8 +79,9 @@ def _evaluate(requests: Sequence[SimRequest], settings: TwinSettings, cost: Step
     except SimError as exc:
         return Figures(error=exc.message)
     except ValueError as exc:  # vLLM's configuration checks (pydantic's errors are ValueErrors)
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return Figures(error=" ".join(lines[-2:])[:300] if lines else type(exc).__name__)
+        lines = [line.strip().split(" [type=")[0] for line in str(exc).splitlines()
+                 if line.strip() and not line.strip().startswith("For further information")]
+        return Figures(error=lines[-1][:300] if lines else type(exc).__name__)
     return figures_of(run)
 
 

@@ -5,7 +5,6 @@ and launches with its departure logged."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from carbonforge_runtime.cli import main as cli
+from tests.support import synthetic_mooncake
 
 KEY = "qwen3-32b:fp8:chat:a100-80x1"
 runner = CliRunner()
@@ -21,15 +21,7 @@ runner = CliRunner()
 def long_prompts(path: Path, count: int, seed: int = 7) -> Path:
     """Prompts of 6,000-12,000 tokens with short answers, arriving about twice a second: a chat recipe
     sized for short prompts, and more than it can serve."""
-    rng = random.Random(seed)
-    t = 0.0
-    rows = []
-    for _ in range(count):
-        t += rng.expovariate(2.0)
-        rows.append({"timestamp": int(t * 1000), "input_length": rng.randrange(6000, 12001),
-                     "output_length": rng.randrange(4, 64), "hash_ids": []})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return synthetic_mooncake(path, count, seed=seed, per_second=2.0, prompt=(6000, 12001), output=(4, 64))
 
 
 @pytest.mark.parametrize(("args", "message"), [
