@@ -23,6 +23,7 @@ from carbonforge_runtime.cli.ltr import ltr_app
 from carbonforge_runtime.cli.replay import replay_command
 from carbonforge_runtime.cli.sim import calibrate_command, pin_hash_seed, sim_command
 from carbonforge_runtime.cli.trace import trace_app
+from carbonforge_runtime.cli.tune import tune_command
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.gpu.select import default_backend
 from carbonforge_runtime.gpu.types import GpuBackend
@@ -59,6 +60,7 @@ app.add_typer(ltr_app, name="ltr")
 app.command("replay")(replay_command)
 app.command("sim")(sim_command)
 app.command("sim-calibrate")(calibrate_command)
+app.command("tune")(tune_command)
 app.command("fetch", epilog=FETCH_EPILOG)(fetch_command)
 app.add_typer(trace_app, name="trace")
 from carbonforge_runtime.cli.license import license_app  # noqa: E402
@@ -282,6 +284,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     except CarbonForgeError as exc:
         typer.echo(exc.render(), err=True)
         raise SystemExit(exc.exit_code) from None
-    if command and command[0] == "sim":
+    if command and command[0] in ("sim", "tune"):
         pin_hash_seed(command)
     app(args=command, prog_name="carbonforge-runtime")

@@ -3,16 +3,18 @@ scheduler in virtual time). Imports nothing heavy until it runs."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from carbonforge_runtime.cli.errors import run_guarded
+
+if TYPE_CHECKING:
+    from carbonforge_runtime.offline.sim.setup import KnobOverrides, TwinInputs
 
 #: The hash seed the twin's results are reproducible under (vLLM iterates sets of request ids).
 HASH_SEED = "0"
@@ -77,8 +79,9 @@ def sim_command(
     max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens",
                                                       help="Override the recipe's max_num_batched_tokens."),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Override the recipe's max_model_len."),
-    long_prefill_token_threshold: int = typer.Option(0, "--long-prefill-token-threshold",
-                                                     help="vLLM's long-prefill threshold (0: vLLM's default)."),
+    long_prefill_token_threshold: int | None = typer.Option(None, "--long-prefill-token-threshold",
+                                                            help="Override the recipe's long-prefill threshold "
+                                                            "(0: vLLM's default, no threshold)."),
     chunked_prefill: bool | None = typer.Option(None, "--chunked-prefill/--no-chunked-prefill",
                                                 help="Override the recipe's enable_chunked_prefill."),
     prefix_caching: bool | None = typer.Option(None, "--prefix-caching/--no-prefix-caching",
@@ -119,16 +122,28 @@ def _check_output(path: Path, flag: str) -> None:
         raise SimError(f"{flag} {path} is a directory", f"pass {flag} FILE")
 
 
+def twin_inputs(*, trace: Path, context_key: str, start: int, limit: int | None, rate: float, token_scale: float,
+                load: float | None, cost_model: str | None, kv_tokens: int | None, mooncake_block_tokens: int,
+                family: str | None = None, param: list[str] | None = None,
+                knobs: KnobOverrides | None = None) -> TwinInputs:
+    """The options ``sim`` and ``tune`` share, as :class:`~carbonforge_runtime.offline.sim.setup.TwinInputs`."""
+    from carbonforge_runtime.offline.sim.inputs import WindowOptions
+    from carbonforge_runtime.offline.sim.setup import KnobOverrides, TwinInputs
+
+    return TwinInputs(trace=trace, context_key=context_key,
+                      window=WindowOptions(start=start, limit=limit, rate=rate, token_scale=token_scale),
+                      load=load, cost_model=cost_model, kv_tokens=kv_tokens,
+                      mooncake_block_tokens=mooncake_block_tokens, family=family,
+                      params=_parse_params(param or []), knobs=knobs if knobs is not None else KnobOverrides())
+
+
 def _run(*, trace: Path, context_key: str, family: str | None, param: list[str], rate: float, load: float | None,
          token_scale: float, start: int, limit: int | None, cost_model: str | None, kv_tokens: int | None,
          max_num_seqs: int | None, max_num_batched_tokens: int | None, max_model_len: int | None,
-         long_prefill_token_threshold: int, chunked_prefill: bool | None, prefix_caching: bool | None,
+         long_prefill_token_threshold: int | None, chunked_prefill: bool | None, prefix_caching: bool | None,
          async_scheduling: bool | None, mooncake_block_tokens: int, output: Path, records: Path | None,
          quiet: bool) -> int:
-    from carbonforge_runtime.core.ordering.registry import make_family
-    from carbonforge_runtime.core.step_models import resolve_model
-    from carbonforge_runtime.core.twin import SimError, TwinSettings
-    from carbonforge_runtime.offline.sim.inputs import WindowOptions, load_trace, window
+    from carbonforge_runtime.core.twin import SimError
     from carbonforge_runtime.offline.sim.report import (
         build_document,
         dump_json,
@@ -139,9 +154,7 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     from carbonforge_runtime.offline.sim.report import (
         records as build_records,
     )
-    from carbonforge_runtime.recipes import resolve
-    from carbonforge_runtime.recipes.loader import load_recipes, recipe_dirs
-    from carbonforge_runtime.settings import load_settings
+    from carbonforge_runtime.offline.sim.setup import KnobOverrides, at_load, prepare
 
     def progress(line: str) -> None:
         if not quiet:
@@ -152,64 +165,19 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     _check_output(records_path, "--records")
     if records_path.resolve() == output.resolve():
         raise SimError("--records and --output name the same file", "pass two different paths")
-    if load is not None and not (math.isfinite(load) and 0 < load <= 10):
-        raise SimError(f"load {load} must be a fraction of capacity above 0 (at most 10)",
-                       "pass e.g. --load 0.9 for 90% of the measured capacity")
-    if not 1 <= mooncake_block_tokens <= 1 << 20:
-        raise SimError(f"mooncake block tokens {mooncake_block_tokens} is out of range",
-                       "pass --mooncake-block-tokens 512 (the published traces' block size)")
-    window_options = WindowOptions(start=start, limit=limit, rate=rate, token_scale=token_scale)
-    window_options.validate()
-
-    settings = load_settings(os.environ)
-    recipe = resolve(context_key, load_recipes(recipe_dirs(settings.recipes_dir)))
-    knobs = recipe.vllm
-    family_name = family or recipe.scheduler.family
-    params = dict(recipe.scheduler.params) if family is None else {}
-    params.update(_parse_params(param))
-    make_family(family_name, params)  # refuses an unknown family or bad parameters now, with the fix
-    hardware = recipe.key.hardware
-    tp = int(knobs.get("tensor_parallel_size", 1) or 1)
-    cost = resolve_model(cost_model, None if hardware.is_cpu else hardware.family, tp)
-
-    sim_trace = load_trace(trace, mooncake_block_tokens)
-    requests = window(sim_trace, window_options)
-    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
-    model_len = max_model_len if max_model_len is not None else int(knobs.get("max_model_len") or max(longest, 8192))
-    twin = TwinSettings(
-        family=family_name, params=params,
-        max_num_seqs=max_num_seqs if max_num_seqs is not None else int(knobs.get("max_num_seqs") or 1024),
-        max_num_batched_tokens=max_num_batched_tokens if max_num_batched_tokens is not None
-        else int(knobs.get("max_num_batched_tokens") or 8192),
-        max_model_len=model_len,
-        kv_tokens=kv_tokens if kv_tokens is not None else cost.kv_capacity_tokens,
-        enable_chunked_prefill=chunked_prefill if chunked_prefill is not None
-        else bool(knobs.get("enable_chunked_prefill", True)),
-        enable_prefix_caching=prefix_caching if prefix_caching is not None
-        else bool(knobs.get("enable_prefix_caching", True)),
-        long_prefill_token_threshold=long_prefill_token_threshold,
-        block_size=int(knobs.get("block_size") or 16),
-        async_scheduling=async_scheduling if async_scheduling is not None else not hardware.is_cpu,
-    )
-    twin.validate()
-    if output.exists() and output.is_dir():
-        raise SimError(f"output {output} is a directory", "pass --output FILE.json")
-
-    # What the engine would refuse at the API server: the request never reaches the scheduler.
-    rejected: dict[int, str] = {}
-    for r in requests:
-        if r.prompt_tokens + r.output_tokens > twin.max_model_len:
-            rejected[r.index] = (f"http 400: {r.prompt_tokens} prompt + {r.output_tokens} output tokens exceed "
-                                 f"max-model-len {twin.max_model_len}")
-        elif r.prompt_tokens + r.output_tokens > twin.kv_tokens:
-            rejected[r.index] = f"too large: longer than the KV cache of {twin.kv_tokens} tokens"
-    served = [r for r in requests if r.index not in rejected]
-
+    knobs = KnobOverrides(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+                          chunked_prefill=chunked_prefill, prefix_caching=prefix_caching,
+                          async_scheduling=async_scheduling)
+    prepared = prepare(twin_inputs(trace=trace, context_key=context_key, start=start, limit=limit, rate=rate,
+                                   token_scale=token_scale, load=load, cost_model=cost_model, kv_tokens=kv_tokens,
+                                   mooncake_block_tokens=mooncake_block_tokens, family=family, param=param,
+                                   knobs=knobs))
+    recipe, family_name, params, cost = prepared.recipe, prepared.family, prepared.params, prepared.cost
+    twin, rejected, requests, served = prepared.twin, prepared.rejected, prepared.requests, prepared.served
+    sim_trace = prepared.trace
     if cost.proxy:
         progress(f"sim: cost model {cost.name} is a PROXY ({cost.scaling_rule})")
-    if not served:
-        raise SimError(f"{trace}: every request is longer than max-model-len {twin.max_model_len} or the KV cache",
-                       "raise --max-model-len/--kv-tokens, or pass --token-scale below 1")
 
     from carbonforge_runtime.engine.twin import measure_capacity, run_twin
 
@@ -217,15 +185,8 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     capacity: float | None = None
     if load is not None:
         capacity = measure_capacity(served, twin, cost)
-        span = served[-1].arrival_s - served[0].arrival_s
-        if span <= 0 or len(served) < 2:
-            raise SimError("--load needs at least two requests with different arrival times",
-                           "pass more requests (--limit) or use --rate")
-        offered = (len(served) - 1) / span
-        factor = load * capacity / offered
+        served, factor = at_load(served, load, capacity)
         effective_rate = rate * factor
-        served = [type(r)(r.index, r.arrival_s / factor, r.prompt_tokens, r.output_tokens, r.blocks, r.block_tokens)
-                  for r in served]
         progress(f"sim: measured capacity {capacity:.2f} req/s; load {load:g} -> {load * capacity:.2f} req/s "
                  f"(rate x{effective_rate:.3g})")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,16 @@ def load_recipe_file(path: Path) -> Recipe:
 
 
 def load_recipes(directories: Iterable[Path]) -> dict[str, Recipe]:
-    """Load every ``*.yaml`` in the directories, in order; a later directory wins on the same key."""
+    """Load every ``*.yaml`` in the directories, in order; a later directory wins on the same key
+    (a local recipe replacing a shipped one records it in ``replaces``, so the launch can say how
+    it departs from it)."""
     recipes: dict[str, Recipe] = {}
+    shipped_dir = shipped_recipes_dir().resolve()
     for directory in directories:
         if not directory.is_dir():
             raise RecipeError(f"recipes directory {directory} does not exist", "point CF_RECIPES_DIR at a directory")
         seen: dict[str, Path] = {}
-        shipped = directory.resolve() == shipped_recipes_dir().resolve()
+        shipped = directory.resolve() == shipped_dir
         for path in sorted(directory.glob("*.y*ml")):
             recipe = load_recipe_file(path)
             if shipped:
@@ -84,6 +88,10 @@ def load_recipes(directories: Iterable[Path]) -> dict[str, Recipe]:
                     f"{path}: key {key} is also defined in {seen[key]}", "keep one recipe file per context key"
                 )
             seen[key] = path
+            earlier = recipes.get(key)
+            if earlier is not None and not shipped:
+                original = earlier.replaces or (earlier if earlier.source.parent.resolve() == shipped_dir else None)
+                recipe = replace(recipe, replaces=original)
             recipes[key] = recipe
     return recipes
 

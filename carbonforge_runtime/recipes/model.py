@@ -21,6 +21,7 @@ VLLM_KNOBS: dict[str, type] = {
     "max_num_seqs": int,
     "max_model_len": int,
     "max_num_batched_tokens": int,
+    "long_prefill_token_threshold": int,
     "gpu_memory_utilization": float,
     "tensor_parallel_size": int,
     "pipeline_parallel_size": int,
@@ -141,6 +142,8 @@ class Recipe:
     api: ApiSpec | None = None
     #: How the recipe spans hosts; None for a single-host recipe.
     hosts: HostSplit | None = None
+    #: The shipped recipe of the same key that this local one (CF_RECIPES_DIR) replaces, if any.
+    replaces: Recipe | None = field(default=None, compare=False, repr=False)
 
     @property
     def key_text(self) -> str:
@@ -224,6 +227,9 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
     for name in ("max_num_seqs", "max_model_len", "tensor_parallel_size"):
         if name in knobs and knobs[name] < 1:
             raise vllm_fields.fail(name, f"must be at least 1, got {knobs[name]}")
+    if knobs.get("long_prefill_token_threshold", 0) < 0:
+        raise vllm_fields.fail("long_prefill_token_threshold", "must be 0 (no threshold) or a positive number of "
+                               f"tokens, got {knobs['long_prefill_token_threshold']}")
     extra = vllm_fields.get("extra_args", list, default=[])
     if not all(isinstance(arg, str) for arg in extra):
         raise vllm_fields.fail("extra_args", "must be a list of strings")
@@ -276,12 +282,56 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
         drain_timeout_s=float(drain),
         scheduler=scheduler,
         controller=controller,
-        benchmark=top.get("benchmark", dict, default={}),
+        benchmark=_benchmark(top),
         env={k: str(v) for k, v in env.items()},
         source=path,
         api=_api(top.section("api")) if "api" in data else None,
         hosts=split,
     )
+
+
+#: The fields of a benchmark block; ``predicted`` is written by ``tune``.
+BENCHMARK_FIELDS = {"measured_on", "date", "figures", "predicted"}
+PREDICTED_FIELDS = {"measured", "by", "trace", "window", "goal", "slo", "cost_model", "candidates", "chosen",
+                    "shipped"}
+
+
+def _benchmark(top: _Fields) -> dict[str, Any]:
+    """The ``benchmark`` block: known fields only; predicted figures must say they were not measured."""
+    fields = top.section("benchmark", required=False)
+    fields.reject_unknown(BENCHMARK_FIELDS)
+    if "predicted" in fields.data:
+        predicted = fields.section("predicted")
+        predicted.reject_unknown(PREDICTED_FIELDS)
+        if predicted.get("measured", bool) is not False:
+            raise predicted.fail("measured", "must be false: predicted figures come from the twin, not a measurement")
+    return dict(fields.data)
+
+
+def departures_from(shipped: Recipe, local: Recipe) -> list[str]:
+    """Every field that serves differently in ``local`` than in ``shipped`` (description and
+    benchmark aside), as ``name: shipped -> local``."""
+    out: list[str] = []
+
+    def compare(name: str, old: Any, new: Any) -> None:
+        if old != new:
+            out.append(f"{name} {old!r} -> {new!r}")
+
+    compare("plan", shipped.plan, local.plan)
+    for name in ModelSpec.__dataclass_fields__:
+        compare(f"model.{name}", getattr(shipped.model, name), getattr(local.model, name))
+    for name in sorted(set(shipped.vllm) | set(local.vllm)):
+        compare(f"vllm.{name}", shipped.vllm.get(name), local.vllm.get(name))
+    compare("vllm.extra_args", list(shipped.extra_args), list(local.extra_args))
+    compare("drain_timeout_s", shipped.drain_timeout_s, local.drain_timeout_s)
+    compare("scheduler.family", shipped.scheduler.family, local.scheduler.family)
+    compare("scheduler.params", dict(shipped.scheduler.params), dict(local.scheduler.params))
+    compare("controller.policy", shipped.controller.policy, local.controller.policy)
+    compare("controller.params", dict(shipped.controller.params), dict(local.controller.params))
+    compare("env", dict(shipped.env), dict(local.env))
+    compare("api", shipped.api, local.api)
+    compare("hosts", shipped.hosts, local.hosts)
+    return out
 
 
 def _host_split(top: _Fields, key: ContextKey, tp: int, pp: int, dp: int) -> HostSplit:

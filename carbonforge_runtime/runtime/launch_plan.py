@@ -11,7 +11,7 @@ from carbonforge_runtime.core.api_contract import ApiContract
 from carbonforge_runtime.core.contract import SCHEDULER_CLS, EngineContract, Ordering, TraceConfig
 from carbonforge_runtime.core.redaction import redact_args, secrets_to_env
 from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.recipes.model import VLLM_KNOBS, ApiSpec, Recipe
+from carbonforge_runtime.recipes.model import VLLM_KNOBS, ApiSpec, Recipe, departures_from
 from carbonforge_runtime.runtime.group import WORKER_MODULE, Group
 from carbonforge_runtime.settings import Settings, VarName
 
@@ -245,6 +245,11 @@ def build_recipe_plan(
     ``trace`` is the validated request-trace configuration handed to the scheduler."""
     knobs = {name: Knob(name, value, SOURCE_RECIPE) for name, value in recipe.vllm.items()}
     departures: list[str] = []
+    if recipe.replaces is not None:
+        changed = departures_from(recipe.replaces, recipe)
+        if changed:
+            departures.append(f"recipe {recipe.source} (CF_RECIPES_DIR) departs from the shipped benchmark of "
+                              f"{recipe.key_text}: {'; '.join(changed)}")
     # Secret flags among the extra arguments reach vLLM through its environment instead.
     env_extra, env_secrets, secret_notes = secrets_to_env(settings.vllm_extra_args)
     extra_args, more_secrets, more_notes = secrets_to_env(extra_args)

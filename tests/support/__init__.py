@@ -214,3 +214,21 @@ def no_blank_tokens_bias() -> dict[str, int]:
         if text and (not text.strip() or any(ord(ch) < 32 or ch == "\x7f" for ch in text)):
             bias[str(token_id)] = -100
     return bias
+
+
+def synthetic_mooncake(path: Path, count: int, seed: int, per_second: float, prompt: tuple[int, int],
+                       output: tuple[int, int]) -> Path:
+    """A Mooncake-format trace of ``count`` unshared prompts: Poisson arrivals at ``per_second``,
+    prompt and output sizes uniform in the given [low, high) ranges."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    t = 0.0
+    rows = []
+    for _ in range(count):
+        t += rng.expovariate(per_second)
+        rows.append({"timestamp": int(t * 1000), "input_length": rng.randrange(*prompt),
+                     "output_length": rng.randrange(*output), "hash_ids": []})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
