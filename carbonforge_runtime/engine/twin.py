@@ -291,7 +291,7 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
             placeholders = 0
         most = 1 << 30
         context = 0
-        for index, request in enumerate(running):
+        for request in running:
             computed = request.num_computed_tokens
             tokens = len(request._all_token_ids)
             if (request.status is not running_status or request.is_prefill_chunk or request.spec_token_ids
