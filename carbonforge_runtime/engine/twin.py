@@ -8,6 +8,11 @@ through its prompt gets none). Arrivals enter at step boundaries, as in the engi
 asynchronous scheduling (vLLM's GPU default) one step stays in flight: step k+1 is scheduled
 before step k's output is applied, and starts when step k ends.
 
+Stretches of steps whose course is known in advance (nothing can be admitted, every running
+request decodes and none finishes) run at once, with vLLM's own functions called in the order the
+step-by-step loop would call them; ``run_twin(..., fast_forward=False)`` keeps the step-by-step
+loop, and the two give identical results.
+
 Our scheduler's request clock and its waiting queue's clock read the virtual clock, so the
 starvation guard ages requests in virtual time. Results are identical across processes only with
 ``PYTHONHASHSEED=0`` (vLLM iterates sets of request ids); the command line pins it.
