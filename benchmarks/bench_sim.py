@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark the twin: the whole Azure conversation trace (19,366 requests) through ``sim``'s loop,
-one family, on one core. Prints steps per second, requests per second and the wall time (the
-target is under 60 s), with the time to load the trace and build the scheduler apart.
+one family, on one core. Prints steps per second, requests per second and the wall and CPU time
+(the target is under 60 s), with the time to load the trace and build the scheduler apart.
+``--plain`` turns the twin's fast-forward of plain decode steps off (the step-by-step loop; the
+results are the same).
 
     PYTHONHASHSEED=0 taskset -c 0 .venv/bin/python benchmarks/bench_sim.py \\
-        [--trace PATH] [--context-key KEY] [--family NAME] [--limit N] [--profile]
+        [--trace PATH] [--context-key KEY] [--family NAME] [--limit N] [--sync] [--plain] [--profile]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--rate", type=float, default=1.0)
     parser.add_argument("--sync", action="store_true", help="Synchronous scheduling (no step in flight).")
+    parser.add_argument("--plain", action="store_true", help="Step by step: no fast-forward of decode steps.")
     parser.add_argument("--profile", action="store_true", help="Print the top of a cProfile of the loop.")
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
@@ -59,15 +62,16 @@ def main() -> int:
         import pstats
 
         profiler = cProfile.Profile()
-        run = profiler.runcall(run_twin, requests, settings, cost)
+        run = profiler.runcall(run_twin, requests, settings, cost, fast_forward=not args.plain)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     else:
-        run = run_twin(requests, settings, cost)
+        run = run_twin(requests, settings, cost, fast_forward=not args.plain)
     t_run = time.perf_counter() - t0
     cpu_run = time.process_time() - cpu0
     done = sum(1 for o in run.outcomes if o.completion_s is not None)
     print(f"trace            {args.trace.name}: {len(requests)} requests, family {args.family}, "
-          f"{args.context_key}, cost model {cost.name}, {'sync' if args.sync else 'async'} scheduling")
+          f"{args.context_key}, cost model {cost.name}, {'sync' if args.sync else 'async'} scheduling"
+          f"{', step by step' if args.plain else ''}")
     print(f"import           {t_import:.1f} s (vLLM and the package)")
     print(f"load trace       {t_load:.2f} s")
     print(f"simulate         {t_run:.1f} s wall, {cpu_run:.1f} s CPU (scheduler built inside)")

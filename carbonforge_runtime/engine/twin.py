@@ -8,6 +8,11 @@ through its prompt gets none). Arrivals enter at step boundaries, as in the engi
 asynchronous scheduling (vLLM's GPU default) one step stays in flight: step k+1 is scheduled
 before step k's output is applied, and starts when step k ends.
 
+Stretches of steps whose course is known in advance (nothing can be admitted, every running
+request decodes and none finishes) run at once, with vLLM's own functions called in the order the
+step-by-step loop would call them; ``run_twin(..., fast_forward=False)`` keeps the step-by-step
+loop, and the two give identical results.
+
 Our scheduler's request clock and its waiting queue's clock read the virtual clock, so the
 starvation guard ages requests in virtual time. Results are identical across processes only with
 ``PYTHONHASHSEED=0`` (vLLM iterates sets of request ids); the command line pins it.
@@ -144,11 +149,30 @@ class _Clock:
         return self.now
 
 
+def _can_fast_forward(scheduler: Any) -> bool:
+    """Whether the scheduler is configured so that a decode step touches nothing but what
+    :func:`run_twin`'s fast-forward reproduces (no drafts, connectors, pipeline or deferred frees)."""
+    kv_groups = scheduler.kv_cache_manager.coordinator.single_type_managers
+    return (getattr(scheduler, "num_spec_tokens", 1) == 0 and getattr(scheduler, "num_lookahead_tokens", 1) == 0
+            and getattr(scheduler, "num_prefill_lookahead", 1) == 0
+            and getattr(scheduler, "num_sampled_tokens_per_step", 0) == 1
+            and not getattr(scheduler, "defer_block_free", True) and not getattr(scheduler, "use_pp", True)
+            and not getattr(scheduler, "use_v2_model_runner", True) and scheduler.connector is None
+            and getattr(scheduler, "ec_connector", None) is None and scheduler.lora_config is None
+            and not getattr(scheduler, "log_stats", True) and len(kv_groups) == 1
+            and getattr(scheduler, "_cf_steps", None) is None and getattr(scheduler, "_cf_energy", None) is None
+            and getattr(scheduler, "_cf_writer", None) is None)
+
+
 def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepCostModel,
-             progress: Callable[[int, int, float], None] | None = None) -> TwinRun:
+             progress: Callable[[int, int, float], None] | None = None, *, fast_forward: bool = True) -> TwinRun:
     """Replay ``requests`` (in arrival order) through the scheduler; one outcome per request, in order.
 
     ``progress(completed, total, virtual_now)`` is called every :data:`PROGRESS_EVERY_STEPS` steps.
+
+    ``fast_forward`` skips vLLM's per-request work in stretches of steps whose course is known in
+    advance (see :func:`run_twin`'s ``skip_decode_steps``); the results are identical with it off,
+    which the tests check.
     """
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
@@ -218,6 +242,155 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
             outcome.finish_reason = _FINISH.get(request.status.name, "abort")
             completed += 1
 
+    block_size = settings.block_size
+    max_model_len = settings.max_model_len
+    fast_forward = fast_forward and _can_fast_forward(scheduler)
+    if fast_forward:
+        from vllm.v1.request import RequestStatus
+
+        running_status = RequestStatus.RUNNING
+        block_table = kv_manager.coordinator.single_type_managers[0].req_to_blocks
+        token_budget = min(scheduler.max_num_scheduled_tokens, settings.max_num_batched_tokens)
+        running_cap = scheduler.max_num_active_reqs
+        counters = getattr(scheduler, "_cf_counters", None)
+        free_blocks = kv_manager.block_pool.get_num_free_blocks
+
+    def skip_decode_steps() -> bool:
+        """Run the next steps at once when each is known to be a plain decode step.
+
+        Called where the loop would call ``schedule()``. A stretch qualifies when nothing can be
+        admitted (no request waits, or the running batch is full), every running request is
+        decoding and has already had its first token, the step in flight (asynchronous
+        scheduling) decoded exactly the running batch, and no request reaches its last token
+        before the stretch ends. Then each of the next steps gives every running request one
+        token, and vLLM's own state changes only in three ways: each request's tokens and
+        counters grow by one, a request crossing a block boundary gets a new block, and a block
+        that fills is cached. The first is applied at once per request (vLLM's
+        ``append_output_token_ids`` with a list, so the block hashes are vLLM's); the other two
+        go through vLLM's ``allocate_slots`` in the same order the plain loop calls it (step by
+        step, in running order), with the request's state as it would be at that moment, so the
+        same blocks go to the same requests and the same cached blocks are evicted. The clock,
+        the busy time, the samples and the progress calls advance step by step in the plain
+        loop's float order. The stretch stops before a step that would need more free blocks
+        than there are (the plain loop would preempt), before an arrival that could be admitted,
+        and before any request's last token. Returns whether any step was taken.
+        """
+        nonlocal inflight, steps, decode_total, busy, next_sample, idle_schedules
+        running = scheduler.running
+        n = len(running)
+        if not n or n > token_budget or scheduler.finished_req_ids or scheduler.reset_preempted_req_ids:
+            return False
+        full = n >= running_cap
+        if not full and (scheduler.waiting or scheduler.kv_holding_waiting):
+            return False
+        if scheduler.num_waiting_for_streaming_input or getattr(scheduler, "_cf_pending_first", None):
+            return False
+        if asynchronous:
+            if inflight is None:
+                return False
+            counts = inflight[0].num_scheduled_tokens
+            if len(counts) != n or len(inflight[2]) != n or inflight[0].scheduled_spec_decode_tokens:
+                return False
+            placeholders = 1
+        else:
+            placeholders = 0
+        most = 1 << 30
+        context = 0
+        for request in running:
+            computed = request.num_computed_tokens
+            tokens = len(request._all_token_ids)
+            if (request.status is not running_status or request.is_prefill_chunk or request.spec_token_ids
+                    or request.num_output_placeholders != placeholders or request.num_stale_output_tokens
+                    or request.num_in_flight_tokens != placeholders or request.num_output_tokens < 1
+                    or tokens != computed + 1 - placeholders or computed < request.num_prompt_tokens
+                    or len(block_table[request.request_id]) != -(-computed // block_size)):
+                return False
+            if asynchronous and counts.get(request.request_id) != 1:
+                return False
+            left = min(request.max_tokens - request.num_output_tokens, max_model_len - tokens) - 1
+            if left < most:
+                most = left
+                if most < 2:
+                    return False
+            context += computed
+        if asynchronous and list(counts) != [r.request_id for r in running]:
+            return False
+        # Steps (1-based) at which a request's allocate_slots call changes something: a new block
+        # (the computed tokens reach a block boundary) or a block to cache (one token short of it,
+        # synchronous scheduling). The other calls find nothing to do.
+        events: list[list[int]] = [[] for _ in range(most + 1)]
+        news: list[int] = [0] * (most + 1)
+        for index, request in enumerate(running):
+            computed = request.num_computed_tokens
+            first = block_size - computed % block_size if computed % block_size else 0
+            for start, is_new in ((first, True), (first - 1 if first else block_size - 1, False)):
+                step = start + 1
+                while step <= most:
+                    events[step].append(index)
+                    if is_new:
+                        news[step] += 1
+                    step += block_size
+        base = [(r.num_computed_tokens, len(r._all_token_ids)) for r in running]
+        done = [0] * n  # steps already applied to each request
+        batched = n
+        fixed = max(floor, per_token * batched)
+        taken = 0
+        for step in range(1, most + 1):
+            if step > 1 and arrived < total and requests[arrived].arrival_s <= clock.now:
+                if not full:
+                    break
+                admit(clock.now)
+            if news[step] > free_blocks():
+                break
+            for index in events[step]:
+                request = running[index]
+                computed, tokens = base[index]
+                behind = step - 1 - done[index]
+                if behind:
+                    request.append_output_token_ids([_SAMPLED_TOKEN] * behind)
+                    done[index] = step - 1
+                request.num_computed_tokens = computed + step - 1
+                if kv_manager.allocate_slots(request, 1) is None:  # cannot happen: the blocks were counted
+                    raise SimError("fast-forward could not allocate a block", "run with fast_forward off")
+            kv_read = context + n * (step - 1)
+            step_s = fixed + per_kv * kv_read + per_attention * 0.0 + overhead
+            steps += 1
+            decode_total += n
+            busy += step_s
+            idle_schedules = 0
+            if asynchronous:
+                assert inflight is not None
+                start = max(clock.now, inflight[3])
+                clock.now = start
+                inflight = (inflight[0], inflight[1], inflight[2], start + step_s)
+            else:
+                clock.now += step_s
+            taken = step
+            if clock.now >= next_sample:
+                waiting = len(scheduler.waiting) + len(scheduler.kv_holding_waiting)
+                run.samples.append(Sample(round(clock.now, 6), round(kv_manager.usage, 6), n, waiting))
+                next_sample = clock.now + sample_every
+            if progress is not None and steps % PROGRESS_EVERY_STEPS == 0:
+                progress(completed, total, clock.now)
+        if not taken:
+            return False
+        for index, request in enumerate(running):
+            behind = taken - done[index]
+            if behind:
+                request.append_output_token_ids([_SAMPLED_TOKEN] * behind)
+            request.num_computed_tokens = base[index][0] + taken
+        if asynchronous:
+            for request in running:
+                request.spec_token_ids = scheduler._spec_token_placeholders
+        scheduler.current_step += taken
+        scheduler.prev_step_scheduled_req_ids.clear()
+        scheduler.prev_step_scheduled_req_ids.update(r.request_id for r in running)
+        kv_manager.take_new_block_ids()
+        if counters is not None:
+            counters.steps += taken
+            counters.tokens_scheduled_total += n * taken
+        return True
+
     while True:
         admit(clock.now)
         if not scheduler.has_requests():
@@ -229,6 +402,8 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
             if arrived >= total:
                 break
             clock.now = max(clock.now, requests[arrived].arrival_s)
+            continue
+        if fast_forward and skip_decode_steps():
             continue
         output = scheduler.schedule()
         steps += 1
