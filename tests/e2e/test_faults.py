@@ -171,14 +171,19 @@ def test_a_drain_that_runs_out_ends_every_request_in_one_record_behind_a_dead_pr
             assert health.returncode == 0, health.stdout + health.stderr
 
             # 12 short requests finish within the drain; 12 long ones (4,000 tokens, the model's whole context)
-            # cannot: even an idle machine's engine needs more than the 2 s before the leftovers are ended.
+            # cannot: an idle machine's engine gives each of them well under 1,000 tokens a second, and the
+            # leftovers are ended 2 s after the signal. All 24 are sent before any stream is read: reading
+            # thousands of chunks keeps this process busy, which would hold back requests not yet sent
+            # until the first long ones had finished.
             client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
             first_chunk = threading.Semaphore(0)
+            all_sent = threading.Barrier(25, timeout=120)
 
             def one(i: int) -> tuple[str, str | None]:
                 stream = client.chat.completions.create(
                     model=TINY_SERVED_NAME, messages=[{"role": "user", "content": f"Say something, {i}"}],
                     max_tokens=24 if i % 2 else 4000, stream=True, extra_body={"ignore_eos": True})
+                all_sent.wait()
                 answer_id, reason = "", None
                 for chunk in stream:
                     if not answer_id:
@@ -190,6 +195,7 @@ def test_a_drain_that_runs_out_ends_every_request_in_one_record_behind_a_dead_pr
 
             pool = ThreadPoolExecutor(max_workers=24)
             futures = [pool.submit(one, i) for i in range(24)]
+            all_sent.wait()  # every request was answered with its stream's headers
             for _ in range(24):  # every request has reached the engine (it streamed a chunk)
                 assert first_chunk.acquire(timeout=120), "a request never started"
             assert runtime.proc is not None

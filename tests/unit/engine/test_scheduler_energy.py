@@ -22,7 +22,8 @@ from carbonforge_runtime.gpu.fake import FakeGpuSession
 from carbonforge_runtime.runtime.metrics.receiver import FeedReceiver
 from tests.support.scheduler_harness import Engine, records
 
-STEP_S = 0.008
+#: A pause per step long enough that the run lasts well over 1.5 s (about 140 steps) on any machine.
+STEP_S = 0.02
 WATTS = 400.0
 
 
