@@ -172,9 +172,11 @@ def test_a_drain_that_runs_out_ends_every_request_in_one_record_behind_a_dead_pr
 
             # 12 short requests finish within the drain; 12 long ones (4,000 tokens, the model's whole context)
             # cannot: an idle machine's engine gives each of them well under 1,000 tokens a second, and the
-            # leftovers are ended 2 s after the signal. All 24 are sent before any stream is read: reading
-            # thousands of chunks keeps this process busy, which would hold back requests not yet sent
-            # until the first long ones had finished.
+            # leftovers are ended 2 s after the signal. The signal goes once every request has streamed its
+            # first chunk (so it is in the engine). The long ones stream in chunks of 200 tokens: a chunk per
+            # token from 12 streams keeps the API server (and this process) so busy that requests still
+            # being prepared reach the engine only after the long ones have finished. All 24 are sent
+            # before any stream is read.
             client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
             first_chunk = threading.Semaphore(0)
             all_sent = threading.Barrier(25, timeout=120)
@@ -182,7 +184,8 @@ def test_a_drain_that_runs_out_ends_every_request_in_one_record_behind_a_dead_pr
             def one(i: int) -> tuple[str, str | None]:
                 stream = client.chat.completions.create(
                     model=TINY_SERVED_NAME, messages=[{"role": "user", "content": f"Say something, {i}"}],
-                    max_tokens=24 if i % 2 else 4000, stream=True, extra_body={"ignore_eos": True})
+                    max_tokens=24 if i % 2 else 4000, stream=True,
+                    extra_body={"ignore_eos": True, **({} if i % 2 else {"stream_interval": 200})})
                 all_sent.wait()
                 answer_id, reason = "", None
                 for chunk in stream:

@@ -134,6 +134,26 @@ def wait_records(path: Path, count: int, timeout_s: float = 20.0) -> list[dict[s
     return read_records(path)
 
 
+def dropped_total(log: str, sink: str) -> int:
+    """The drops of ``sink`` the engine has reported so far (its periodic and shutdown lines)."""
+    totals = [int(m) for m in re.findall(rf"dropped by sink {sink} \S+ \((\d+) in total", log)]
+    return max(totals, default=0)
+
+
+def spans_accounted(s: Session, count: int, timeout_s: float = 40.0) -> tuple[list[ReceivedSpan], int]:
+    """The spans received and the OTLP drops reported, once they add up to ``count``. A collector
+    that answers an export after its deadline (this test's receiver shares a process with busy client
+    threads) makes the sink retry and, after its last attempt, count a drop: delivered plus counted
+    drops is the guarantee, and drops are reported every 10 s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = s.receiver.snapshot()
+        dropped = dropped_total(s.runtime.engine_log(), "OTLP grpc")
+        if len(spans) + dropped >= count or time.monotonic() > deadline:
+            return spans, dropped
+        time.sleep(0.5)
+
+
 def wait_log(runtime: RuntimeProcess, pattern: str, timeout_s: float) -> re.Match[str] | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -237,12 +257,13 @@ class TestFullLevelRecipeSession:
                 assert record["prompt_text"] == answer.user_text or answer.id.startswith("cmpl-")
             assert record["output_text"] == answer.content
         assert stat.S_IMODE(os.stat(s.trace).st_mode) == 0o600
-        spans = s.receiver.wait_for(48, timeout_s=20)
-        assert len(spans) == 48, "one span per completed request"
+        spans, dropped = spans_accounted(s, 48)
+        assert len(spans) + dropped == 48, "one span per completed request, or a drop counted and reported"
+        assert dropped <= 4, f"{dropped} spans dropped: the collector was unreachable, not just slow"
         span_by_id = {span.attributes["cf.request_id"]: span for span in spans}
-        assert set(span_by_id) == set(by_id)  # both sinks: the same set of requests
-        for rid, record in by_id.items():
-            check_span(span_by_id[rid], record, full=True)
+        assert len(span_by_id) == len(spans) and set(span_by_id) <= set(by_id)  # both sinks: the same requests
+        for rid, span in span_by_id.items():
+            check_span(span, by_id[rid], full=True)
 
 
     def test_queue_wait_grows_across_a_burst(self, full_session: Session) -> None:
@@ -263,9 +284,15 @@ class TestFullLevelRecipeSession:
         # (a loaded client can spread the last arrivals out, so compare halves, not single requests)
         assert max(waits) > 0.05, waits
         assert sum(waits[8:]) / 8 > 2 * sum(waits[:4]) / 4, waits
-        # the waits come from the engine's ceiling, not from a spread-out arrival
-        arrivals = [r["t_arrival"] for r in burst]
-        assert max(arrivals) - min(arrivals) < max(waits) / 2
+        # the waits come from the engine's ceiling: every request that waited was admitted right after
+        # another request of the burst completed and freed its place (on a busy machine the API server
+        # can take the burst in over seconds, so the spread of the arrivals proves nothing either way)
+        completions = sorted(r["t_completion"] for r in burst)
+        for r in burst:
+            if r["queue_wait_s"] > 0.5:
+                admitted = r["t_arrival"] + r["queue_wait_s"]
+                freed = [c for c in completions if c <= admitted + 1e-3]
+                assert freed and admitted - freed[-1] < 0.5, (r, completions)
         # between admission and completion, never more than max-num-seqs requests at once
         events = sorted([(r["t_arrival"] + r["queue_wait_s"] + 1e-5, 1) for r in burst]
                         + [(r["t_completion"], -1) for r in burst])
@@ -278,9 +305,9 @@ class TestFullLevelRecipeSession:
 
     def test_sink_faults_do_not_stop_serving_and_drops_are_counted(self, full_session: Session) -> None:
         s = full_session
-        spans_before = len(s.receiver.wait_for(s.sent, timeout_s=20))
+        spans_before, dropped_before = spans_accounted(s, s.sent)
         records_before = len(wait_records(s.trace, s.sent))
-        assert spans_before == records_before == s.sent
+        assert len(spans_before) + dropped_before == records_before == s.sent
 
         # 1. the collector goes away: serving continues, the file keeps every record
         s.receiver.stop()
@@ -306,15 +333,11 @@ class TestFullLevelRecipeSession:
         log = s.runtime.engine_log()
         assert "request trace: flushed at shutdown" in log, log[-3000:]
 
-        def dropped_total(sink: str) -> int:
-            totals = [int(m) for m in re.findall(rf"dropped by sink {sink} \S+ \((\d+) in total", log)]
-            return max(totals, default=0)
-
-        assert dropped_total("file") == 6
+        assert dropped_total(log, "file") == 6
         spans = s.receiver.snapshot()  # one per span id: a late export sent again is a copy, set aside
         assert len({span.attributes["cf.request_id"] for span in spans}) == len(spans), "one span id a request"
         assert s.receiver.conflicts == [], "a re-sent span carries the same ids and content as the first"
-        assert len(spans) + dropped_total("OTLP grpc") == s.sent == 48 + 16 + 8 + 6
+        assert len(spans) + dropped_total(log, "OTLP grpc") == s.sent == 48 + 16 + 8 + 6
 
 
 # ---- session 2: override mode, standard, JSONL + HTTP, SIGTERM under load ----------------------------
