@@ -1,0 +1,525 @@
+#!/usr/bin/env python
+"""Does the twin predict the real engine? The prediction check on the CPU engine with the tiny model.
+
+1. ``traces``: two synthetic traces in our JSONL format, from different distributions and seeds:
+   A (calibration: log-normal prompts, uniform outputs, an arrival rate that ramps up and down)
+   and B (prediction: bimodal prompts, exponential outputs, steady Poisson arrivals). Prompts up
+   to 1,500 tokens, outputs up to 200 (forced with ``max_tokens`` and ``ignore_eos`` by the
+   replay). Their time stamps are written at 1 request/s on average; later phases scale them.
+2. ``calibrate``: serves the tiny recipe (FCFS) with ``--step-log``, measures the engine's
+   capacity on a burst of A's first requests, replays A at a rate that ramps from about 0.5 to
+   1.3 times that capacity (so the log holds light and saturated batches), stops it (SIGTERM), and
+   fits a step-time model with ``sim-calibrate`` (its fit line is printed).
+3. ``predict``: sets B's rate to ``--load`` of the calibrated twin's FCFS capacity (``sim
+   --load``), writes the scaled trace ``trace-b.jsonl``, and predicts it with ``sim`` for every
+   family, with the served recipe's knobs, synchronous scheduling (as on CPU) and the real
+   engine's KV capacity (from the step log's engine line, checked against the engine log).
+4. ``real``: replays ``trace-b.jsonl`` against the real engine, one engine start per family, and
+   FCFS a second time (``fcfs-again``: the noise floor). Every figure comes from the runtime's own
+   request trace (server-side arrival to completion), which has the same format as ``sim``'s
+   per-request records.
+5. ``report``: per family, predicted against real mean and p99 e2e, mean TTFT and throughput with
+   the error; FCFS against itself per metric; and whether the twin ranks the families as the real
+   engine does where the real difference exceeds the noise floor. Targets: mean e2e and throughput
+   within 15%, p99 e2e within 25% (PASS/MISS printed; the exit status is 0 either way).
+
+Everything lands in ``--work``; each phase reads what the earlier ones wrote, so they can run
+separately (``--phase calibrate``, later ``--phase real``). ``--phase all`` runs them in order
+(about 10-15 minutes on 2 cores: four engine starts)::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/predict_cpu.py --work /work/bench-out/predict --json predict.json
+
+The engine's worker is pinned to the first CPU and everything else to the others (as in
+``bench_ordering.py``); ``--no-pin`` leaves them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from carbonforge_runtime.core.quantiles import quantile  # noqa: E402
+from carbonforge_runtime.offline.replay.trace import write_jsonl  # noqa: E402
+
+PHASES = ("traces", "calibrate", "fit", "predict", "real", "report")
+SEED_A, SEED_B = 11, 23
+T0 = 1_700_000_000.0
+MAX_PROMPT, MAX_OUTPUT = 1500, 200
+
+#: The served engine: a queue forms at a few requests per second, and 512 tokens a step make long
+#: prompts prefill in several chunks.
+MAX_NUM_SEQS = 4
+MAX_NUM_BATCHED_TOKENS = 512
+KV_BLOCKS = 512
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+MAX_MODEL_LEN = 2048
+
+#: Family parameters (as in bench_ordering.py).
+PARAMS: dict[str, dict[str, Any]] = {
+    "fcfs": {},
+    "ltr-promptlen": {"aging_rate": 400.0, "cache_lookup_limit": 128},
+    "affinity": {"aging_rate": 200.0},
+}
+AGAIN = "fcfs-again"
+TARGETS = {"mean_e2e": 0.15, "throughput": 0.15, "p99_e2e": 0.25}
+METRICS = (("mean_e2e", "mean e2e s"), ("p99_e2e", "p99 e2e s"), ("mean_ttft", "mean TTFT s"),
+           ("throughput", "req/s"))
+#: For each metric, which direction is better (for the ranking).
+HIGHER_IS_BETTER = {"mean_e2e": False, "p99_e2e": False, "mean_ttft": False, "throughput": True}
+
+WORKER_CPUS: str | None = None
+
+
+def log(text: str) -> None:
+    print(text, flush=True)
+
+
+# -- traces -------------------------------------------------------------------------------------------
+
+
+def trace_a(n: int) -> list[dict[str, Any]]:
+    """Calibration: log-normal prompts (median 350), uniform outputs 16..200, and a rate that ramps
+    from 0.5 to 1.5 and back (mean 1 request/s), so light and saturated batches both occur."""
+    rng = random.Random(SEED_A)
+    out, t = [], 0.0
+    for i in range(n):
+        phase = i / max(n - 1, 1)
+        rate = 0.5 + 2.0 * phase if phase < 0.5 else 2.5 - 2.0 * phase
+        t += rng.expovariate(rate)
+        prompt = min(MAX_PROMPT, max(16, round(rng.lognormvariate(math.log(350), 0.8))))
+        out.append({"t_arrival": round(T0 + t, 6), "prompt_tokens": prompt,
+                    "output_tokens": rng.randint(16, MAX_OUTPUT)})
+    return _unit_rate(out)
+
+
+def trace_b(n: int) -> list[dict[str, Any]]:
+    """Prediction: 70% short prompts (40..300), 30% long ones (800..1,500), exponential outputs
+    (mean 80, 4..200), steady Poisson arrivals (1 request/s)."""
+    rng = random.Random(SEED_B)
+    out, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(1.0)
+        prompt = rng.randint(40, 300) if rng.random() < 0.7 else rng.randint(800, MAX_PROMPT)
+        output = min(MAX_OUTPUT, max(4, round(rng.expovariate(1 / 80))))
+        out.append({"t_arrival": round(T0 + t, 6), "prompt_tokens": prompt, "output_tokens": output})
+    return _unit_rate(out)
+
+
+def _unit_rate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stretch the time stamps so that the average rate is exactly 1 request/s."""
+    span = records[-1]["t_arrival"] - records[0]["t_arrival"]
+    factor = (len(records) - 1) / span
+    return [{**r, "t_arrival": round(T0 + (r["t_arrival"] - T0) * factor, 6)} for r in records]
+
+
+def scaled(records: list[dict[str, Any]], rate: float) -> list[dict[str, Any]]:
+    """The same requests arriving ``rate`` times as fast."""
+    first = records[0]["t_arrival"]
+    return [{**r, "t_arrival": round(T0 + (r["t_arrival"] - first) / rate, 6)} for r in records]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- the served recipe --------------------------------------------------------------------------------
+
+
+def key(family: str) -> str:
+    return f"cf-tiny-pred-{family}:bf16:chat:cpu"
+
+
+def write_recipes(directory: Path, families: list[str]) -> None:
+    """One recipe per family, all the same engine (a copy of cf-tiny with the benchmark's knobs)."""
+    from tests.support import TINY_SERVED_NAME
+
+    directory.mkdir(parents=True, exist_ok=True)
+    bind = f', VLLM_CPU_OMP_THREADS_BIND: "{WORKER_CPUS}"' if WORKER_CPUS else ""
+    for family in families:
+        (directory / f"pred-{family}.yaml").write_text(f"""key: {key(family)}
+plan: free
+description: prediction check ({family}); the tiny model with few running sequences so that a queue forms
+model: {{repo: carbonforge/tiny-chat, served_name: {TINY_SERVED_NAME}, builtin: tiny-chat}}
+vllm:
+  dtype: bfloat16
+  max_model_len: {MAX_MODEL_LEN}
+  max_num_seqs: {MAX_NUM_SEQS}
+  max_num_batched_tokens: {MAX_NUM_BATCHED_TOKENS}
+  enable_prefix_caching: true
+  block_size: {BLOCK_SIZE}
+  extra_args: ["--num-gpu-blocks-override", "{KV_BLOCKS}"]
+drain_timeout_s: 5
+env: {{VLLM_CPU_KVCACHE_SPACE: "1", HF_HUB_OFFLINE: "1"{bind}}}
+scheduler: {{family: {family}, params: {json.dumps(PARAMS[family])}}}
+""")
+
+
+def pin_processes() -> None:
+    """The engine's worker gets the first CPU to itself; this process and its children the others."""
+    global WORKER_CPUS
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        log("  one CPU only: processes not pinned (expect noisy figures)")
+        return
+    WORKER_CPUS = str(cpus[0])
+    os.sched_setaffinity(0, cpus[1:])
+    log(f"  engine worker on CPU {cpus[0]}; API server, engine core and client on {cpus[1:]}")
+
+
+_KV_LINE = re.compile(r"KV cache size: (?P<tokens>[0-9,]+) tokens")
+
+
+class Engine:
+    """The runtime serving ``family``'s recipe, with its request trace (and optionally a step log);
+    stopped with SIGTERM on exit, its process group killed if that does not end it."""
+
+    def __init__(self, work: Path, family: str, name: str, step_log: Path | None = None) -> None:
+        from tests.support import RuntimeProcess
+
+        self.dir = work / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.trace = self.dir / "trace.jsonl"
+        self.trace.unlink(missing_ok=True)
+        args = ["--context-key", key(family), "--request-trace", "standard", "--trace-file", str(self.trace)]
+        if step_log is not None:
+            step_log.unlink(missing_ok=True)
+            args += ["--step-log", str(step_log)]
+        self.runtime = RuntimeProcess(args, self.dir / "logs", env={"CF_RECIPES_DIR": str(work / "recipes")})
+        self.records: dict[str, dict[str, Any]] = {}
+        self._offset = 0
+
+    def __enter__(self) -> Engine:
+        try:
+            self.runtime.start().wait_ready(timeout_s=400)
+        except BaseException:
+            self.runtime.kill()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.runtime.stop(timeout_s=60)
+        except AssertionError as err:  # not ended by SIGTERM in time: stop() already killed it
+            log(f"  warning: {str(err).splitlines()[0]}")
+        finally:
+            self.runtime.kill()
+
+    def kv_tokens(self) -> int | None:
+        """The KV capacity from the engine's own log line (None if not found)."""
+        for text in (self.runtime.output(), self.runtime.engine_log()):
+            found = _KV_LINE.search(text)
+            if found:
+                return int(found["tokens"].replace(",", ""))
+        return None
+
+    def _read_new(self) -> None:
+        if not self.trace.exists():
+            return
+        with self.trace.open("rb") as handle:
+            handle.seek(self._offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        for line in data[:end].splitlines():
+            record = json.loads(line)
+            self.records[record["request_id"]] = record
+
+    def wait_records(self, ids: set[str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._read_new()
+            missing = ids - self.records.keys()
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        if missing:
+            log(f"  warning: {len(missing)} trace records missing")
+        return [self.records[i] for i in sorted(ids) if i in self.records]
+
+    def replay(self, path: Path, rate: float = 1.0, limit: int | None = None,
+               deadline_s: float = 400.0) -> list[dict[str, Any]]:
+        """Replay ``path`` at ``rate`` times its pace; the runtime's trace records of its requests."""
+        from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
+        from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
+        from carbonforge_runtime.offline.replay.trace import load_recording
+        from tests.support import TINY_SERVED_NAME
+
+        plan = build_plan(load_recording(path), PlanOptions(rate=rate, limit=limit, seed=0))
+        options = RunOptions(base_url=self.runtime.base_url, model=TINY_SERVED_NAME, concurrency=1024,
+                             deadline_s=deadline_s, request_timeout_s=deadline_s, progress_every_s=1e9)
+        result = asyncio.run(run_replay(plan, options))
+        for error in sorted({o.error for o in result.outcomes if o.error}):
+            log(f"  warning: a request failed: {error}")
+        return self.wait_records({o.request_id for o in result.outcomes if o.request_id})
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+
+
+def metrics(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The same figures from the runtime's trace records and from sim's per-request records."""
+    done = [r for r in records if r.get("finish_reason") in ("length", "stop") and r.get("e2e_latency_s") is not None]
+    if not done:
+        nan = float("nan")
+        return {"n": 0.0, "mean_e2e": nan, "p99_e2e": nan, "mean_ttft": nan, "throughput": nan}
+    e2e = [float(r["e2e_latency_s"]) for r in done]
+    ttft = [float(r["ttft_s"]) for r in done if r.get("ttft_s") is not None]
+    span = max(r["t_completion"] for r in done) - min(r["t_arrival"] for r in done)
+    return {
+        "n": float(len(done)),
+        "mean_e2e": statistics.fmean(e2e),
+        "p99_e2e": float(quantile(e2e, 0.99) or float("nan")),
+        "mean_ttft": statistics.fmean(ttft) if ttft else float("nan"),
+        "throughput": len(done) / span if span > 0 else float("nan"),
+    }
+
+
+def completion_rate(records: list[dict[str, Any]]) -> float:
+    span = max(r["t_completion"] for r in records) - min(r["t_arrival"] for r in records)
+    return len(records) / span
+
+
+# -- phases -------------------------------------------------------------------------------------------
+
+
+def cli(args: list[str], work: Path, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    """``carbonforge-runtime ARGS`` in a child process (sim pins its own hash seed)."""
+    env = {**os.environ, "CF_RECIPES_DIR": str(work / "recipes"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, "-m", "carbonforge_runtime", *args], capture_output=True, text=True,
+                          env=env, cwd=work, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"carbonforge-runtime {' '.join(args[:2])} failed ({done.returncode}):\n"
+                         f"{done.stdout}\n{done.stderr}")
+    return done
+
+
+def phase_traces(work: Path, args: argparse.Namespace) -> None:
+    write_jsonl(work / "trace-a.jsonl", trace_a(args.requests_a))
+    write_jsonl(work / "trace-b-unit.jsonl", trace_b(args.requests_b))
+    log(f"traces: {work / 'trace-a.jsonl'} ({args.requests_a} requests), "
+        f"{work / 'trace-b-unit.jsonl'} ({args.requests_b} requests), both at 1 request/s until scaled")
+
+
+def phase_calibrate(work: Path, args: argparse.Namespace) -> None:
+    step_log = work / "steps.jsonl"
+    with Engine(work, "fcfs", "calibrate", step_log=step_log) as engine:
+        kv_engine = engine.kv_tokens()
+        log(f"calibrate: engine ready (engine log KV capacity: {kv_engine} tokens)")
+        burst = engine.replay(work / "trace-a.jsonl", rate=1e6, limit=args.burst)
+        capacity = completion_rate(burst)
+        # A ramps from 0.5 to 1.5 requests/s (unit time stamps): 0.5 .. 1.5 x 0.85 of the capacity.
+        rate_a = 0.85 * capacity
+        log(f"calibrate: FCFS capacity on a burst of {len(burst)}: {capacity:.2f} req/s; replaying A at "
+            f"{rate_a:.2f} req/s on average (its rate ramps 0.5x .. 1.5x)")
+        started = time.monotonic()
+        records = engine.replay(work / "trace-a.jsonl", rate=rate_a)
+        log(f"calibrate: A replayed in {time.monotonic() - started:.0f} s: {len(records)} records, "
+            f"mean e2e {metrics(records)['mean_e2e']:.3f} s")
+    (work / "calibrate-run.json").write_text(json.dumps({
+        "capacity_burst_rps": capacity, "rate_a": rate_a, "kv_tokens_engine_log": kv_engine,
+        "real_a": metrics(records)}, indent=1))
+
+
+def phase_fit(work: Path, args: argparse.Namespace) -> None:
+    """sim-calibrate on the step log the calibrate phase recorded (``steps.jsonl``)."""
+    step_log = work / "steps.jsonl"
+    run_path = work / "calibrate-run.json"
+    run = json.loads(run_path.read_text()) if run_path.exists() else {}
+    fitted = cli(["sim-calibrate", str(step_log), "-o", str(work / "model.yaml"), "--gpu", "cpu",
+                  "--skip-first", str(args.skip_steps)], work)
+    fit_text = fitted.stdout.strip()
+    log(fit_text)
+    if fitted.stderr.strip():
+        log(fitted.stderr.strip())
+    kv_log = None
+    with step_log.open() as handle:
+        for line in handle:
+            record = json.loads(line)
+            if record.get("kind") == "engine":
+                kv_log = record.get("kv_cache_tokens")
+                break
+    kv_engine = run.get("kv_tokens_engine_log")
+    if kv_engine is not None and kv_log is not None and kv_engine != kv_log:
+        log(f"fit: warning: the step log says {kv_log} KV tokens, the engine log {kv_engine}")
+    (work / "calibrate.json").write_text(json.dumps({
+        **run, "kv_tokens": kv_log or kv_engine, "kv_tokens_step_log": kv_log, "fit": fit_text}, indent=1))
+
+
+def sim_args(work: Path, family: str, kv_tokens: int) -> list[str]:
+    return ["--context-key", key(family), "--cost-model", str(work / "model.yaml"), "--kv-tokens", str(kv_tokens),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+            "--max-model-len", str(MAX_MODEL_LEN), "--no-async-scheduling", "--quiet"]
+
+
+def phase_predict(work: Path, args: argparse.Namespace, families: list[str]) -> None:
+    calibration = json.loads((work / "calibrate.json").read_text())
+    kv = int(calibration["kv_tokens"])
+    unit = work / "trace-b-unit.jsonl"
+    if args.rate_b is not None:
+        rate_b = args.rate_b
+    else:
+        probe = work / "sim-capacity.json"
+        cli(["sim", str(unit), *sim_args(work, "fcfs", kv), "--load", str(args.load), "-o", str(probe)], work)
+        rate_b = float(json.loads(probe.read_text())["options"]["effective_rate"])
+    write_jsonl(work / "trace-b.jsonl", scaled(read_jsonl(unit), rate_b))
+    log(f"predict: trace B at {rate_b:.2f} req/s (" + (f"{args.load:g} of the twin's FCFS capacity"
+        if args.rate_b is None else "--rate-b") + f"), KV {kv} tokens, model {work / 'model.yaml'}")
+    predicted: dict[str, Any] = {"rate_b": rate_b, "kv_tokens": kv, "families": {}}
+    for family in families:
+        out = work / f"sim-{family}.json"
+        cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv), "-o", str(out),
+             "--records", str(work / f"sim-{family}.requests.jsonl")], work)
+        predicted["families"][family] = metrics(read_jsonl(work / f"sim-{family}.requests.jsonl"))
+        m = predicted["families"][family]
+        log(f"predict: {family}: mean e2e {m['mean_e2e']:.3f} s, p99 {m['p99_e2e']:.3f} s, "
+            f"TTFT {m['mean_ttft']:.3f} s, {m['throughput']:.2f} req/s")
+    (work / "predicted.json").write_text(json.dumps(predicted, indent=1))
+
+
+def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> None:
+    results_path = work / "real.json"
+    results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {}
+    runs = [families[0], *families[1:], AGAIN] if families[0] == "fcfs" else [*families, AGAIN]
+    for run in runs:
+        if run in results and not args.redo:
+            log(f"real: {run}: already measured (--redo to measure again)")
+            continue
+        family = "fcfs" if run == AGAIN else run
+        with Engine(work, family, f"real-{run}") as engine:
+            engine.replay(work / "trace-b.jsonl", rate=1e6, limit=args.warmup)  # compile shapes, not measured
+            started = time.monotonic()
+            records = engine.replay(work / "trace-b.jsonl")
+        results[run] = metrics(records)
+        m = results[run]
+        log(f"real: {run}: {m['n']:.0f} done in {time.monotonic() - started:.0f} s: mean e2e {m['mean_e2e']:.3f} s, "
+            f"p99 {m['p99_e2e']:.3f} s, TTFT {m['mean_ttft']:.3f} s, {m['throughput']:.2f} req/s")
+        results_path.write_text(json.dumps(results, indent=1))
+
+
+def error(pred: float, real: float) -> float:
+    return (pred - real) / real if real else float("nan")
+
+
+def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
+    predicted = json.loads((work / "predicted.json").read_text())["families"]
+    real = json.loads((work / "real.json").read_text())
+    calibration = json.loads((work / "calibrate.json").read_text())
+    fit = [" ".join(line.split()) for line in calibration.get("fit", "").splitlines()
+           if line.startswith(("R2", "mean relative error", "p90 relative error"))]
+    lines = [f"Step-time model {work / 'model.yaml'}: {', '.join(fit) or '?'}",
+             f"KV capacity {calibration['kv_tokens']} tokens; max_num_seqs {MAX_NUM_SEQS}, "
+             f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}, synchronous scheduling", ""]
+    header = "| family | " + " | ".join(f"{label} pred / real (err)" for _, label in METRICS) + " |"
+    lines += [header, "|---|" + "---|" * len(METRICS)]
+    figures: dict[str, Any] = {"calibration": calibration, "predicted": predicted, "real": real, "errors": {},
+                               "noise_floor": {}, "targets": {}, "ranking": []}
+    for family in families:
+        if family not in predicted or family not in real:
+            lines.append(f"| {family} | " + " | ".join("-" for _ in METRICS) + " |")
+            continue
+        errs = {m: error(predicted[family][m], real[family][m]) for m, _ in METRICS}
+        figures["errors"][family] = errs
+        cells = [f"{predicted[family][m]:.3f} / {real[family][m]:.3f} ({errs[m]:+.0%})" for m, _ in METRICS]
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    noise = {}
+    if "fcfs" in real and AGAIN in real:
+        noise = {m: abs(error(real[AGAIN][m], real["fcfs"][m])) for m, _ in METRICS}
+        figures["noise_floor"] = noise
+        lines.append("| noise floor (fcfs again vs fcfs) | " + " | ".join(
+            f"{real[AGAIN][m]:.3f} vs {real['fcfs'][m]:.3f} ({noise[m]:.0%})" for m, _ in METRICS) + " |")
+    lines += ["", "Targets (every family):"]
+    for metric, limit in TARGETS.items():
+        worst = [abs(e[metric]) for e in figures["errors"].values()]
+        ok = bool(worst) and all(w <= limit for w in worst)
+        figures["targets"][metric] = {"limit": limit, "worst_abs_error": max(worst, default=None), "pass": ok}
+        lines.append(f"  {metric:<10s} within {limit:.0%}: worst {max(worst, default=float('nan')):.0%} "
+                     f"-> {'PASS' if ok else 'MISS'}")
+    lines += ["", "Ranking (pairs whose real difference exceeds the noise floor):"]
+    measured = [f for f in families if f in real and f in predicted]
+    for i, a in enumerate(measured):
+        for b in measured[i + 1:]:
+            for metric, _ in METRICS:
+                diff = abs(error(real[a][metric], real[b][metric]))
+                floor = noise.get(metric)
+                if floor is None or not diff > floor:
+                    lines.append(f"  {a} vs {b}, {metric}: real difference {diff:.0%} within the noise floor "
+                                 f"({floor if floor is None else f'{floor:.0%}'}): not judged")
+                    continue
+                real_better = (real[a][metric] > real[b][metric]) == HIGHER_IS_BETTER[metric]
+                pred_better = (predicted[a][metric] > predicted[b][metric]) == HIGHER_IS_BETTER[metric]
+                agrees = real_better == pred_better
+                figures["ranking"].append({"a": a, "b": b, "metric": metric, "real_diff": diff, "agrees": agrees})
+                lines.append(f"  {a} vs {b}, {metric}: real: {a if real_better else b} better by {diff:.0%} "
+                             f"(floor {floor:.0%}); twin: {a if pred_better else b} -> "
+                             f"{'AGREES' if agrees else 'DISAGREES'}")
+    return "\n".join(lines), figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/work/bench-out/predict"))
+    parser.add_argument("--phase", default="all", help=f"all, or a comma list of {', '.join(PHASES)}")
+    parser.add_argument("--families", default="fcfs,ltr-promptlen", help=f"of {', '.join(PARAMS)}; fcfs first")
+    parser.add_argument("--requests-a", type=int, default=300)
+    parser.add_argument("--requests-b", type=int, default=250)
+    parser.add_argument("--load", type=float, default=0.9, help="B's rate as a fraction of the twin's FCFS capacity")
+    parser.add_argument("--rate-b", type=float, default=None, help="B's rate in req/s instead of --load")
+    parser.add_argument("--burst", type=int, default=40, help="requests of A in the capacity burst")
+    parser.add_argument("--warmup", type=int, default=16, help="requests of B sent (not measured) before each run")
+    parser.add_argument("--skip-steps", type=int, default=0, help="sim-calibrate --skip-first")
+    parser.add_argument("--redo", action="store_true", help="real: measure families already in real.json again")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin the engine worker to a CPU of its own")
+    parser.add_argument("--json", type=Path, default=None, help="save the figures here")
+    args = parser.parse_args()
+    phases = list(PHASES) if args.phase == "all" else args.phase.split(",")
+    unknown = [p for p in phases if p not in PHASES]
+    families = [f for f in args.families.split(",") if f]
+    if unknown or not families or any(f not in PARAMS for f in families):
+        parser.error(f"unknown phase(s) {unknown} or family list {families}")
+    families = ["fcfs", *[f for f in families if f != "fcfs"]]
+    work: Path = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.no_pin and {"calibrate", "real"} & set(phases):
+        pin_processes()
+    write_recipes(work / "recipes", families)
+    started = time.monotonic()
+    for phase in phases:
+        log(f"\n== {phase} ({time.monotonic() - started:.0f} s)")
+        if phase == "traces":
+            phase_traces(work, args)
+        elif phase == "calibrate":
+            phase_calibrate(work, args)
+        elif phase == "fit":
+            phase_fit(work, args)
+        elif phase == "predict":
+            phase_predict(work, args, families)
+        elif phase == "real":
+            phase_real(work, args, families)
+        else:
+            text, figures = report(work, families)
+            log(text)
+            (work / "report.md").write_text(text + "\n")
+            if args.json is not None:
+                args.json.write_text(json.dumps(figures, indent=1, default=str))
+                log(f"figures: {args.json}")
+    log(f"\ntotal {time.monotonic() - started:.0f} s; files in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
