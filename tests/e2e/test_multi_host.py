@@ -108,6 +108,8 @@ def test_a_leader_and_a_headless_worker_serve_one_model_across_two_hosts(tmp_pat
         engine_log = leader.engine_log()
         assert "Using custom scheduler class carbonforge_runtime.engine.scheduler.make_scheduler" in engine_log
         assert "Async scheduling is disabled" in engine_log  # so the plain (not async) variant serves
+        assert "CarbonForge scheduler on vLLM Scheduler:" in engine_log  # the plug-in's own word: plain variant
+        assert "CarbonForge scheduler on vLLM AsyncScheduler" not in engine_log
 
         # SIGTERM to the leader: it drains, then tells the worker, which stops too; nothing is left
         worker.known_children = descendants(worker.proc.pid)  # type: ignore[union-attr]

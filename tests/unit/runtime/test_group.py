@@ -109,13 +109,22 @@ def test_the_dry_run_of_the_leader_prints_the_api_server_without_headless(
     assert "hosts:              2 hosts x 8 GPUs; data parallel across hosts" in out
 
 
-@pytest.mark.parametrize(("env", "rank"), [(LWS_WORKER, 1), (CF_LEADER, 0)])
-def test_the_full_override_is_placed_the_same_way(env: dict[str, str], rank: int) -> None:
+@pytest.mark.parametrize(("env", "rank"), [(LWS_WORKER, 1), (CF_WORKER, 1), (LWS_LEADER, 0), (CF_LEADER, 0)],
+                         ids=["lws-worker", "cf-worker", "lws-leader", "cf-leader"])
+def test_the_full_override_is_placed_the_same_way(env: dict[str, str], rank: int,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     argv = plan_for(env, vllm_args=["org/model", "--tensor-parallel-size", "2"])
     line = shlex.join(argv)
     assert GROUP_FLAGS.format(rank=rank) in line and ("--headless" in argv) == (rank == 1)
     # the leader's API server takes --model; a worker's `vllm serve` takes the model first
     assert engine_args(argv)[:2] == (["--model", "org/model"] if rank == 0 else ["org/model", "--tensor-parallel-size"])
+    # and the dry run prints that command
+    code, out = dry_run(env, capsys, vllm_args=["org/model", "--tensor-parallel-size", "2"])
+    assert code == 0, out
+    command = out.split("vLLM command:", 1)[1]
+    assert GROUP_FLAGS.format(rank=rank) in command and ("--headless" in command) == (rank == 1)
+    assert ("engine.headless org/model " in command) == (rank == 1)
+    assert ("--model org/model" in command) == (rank == 0)
 
 
 def test_flags_place_the_host_as_the_variables_do() -> None:
