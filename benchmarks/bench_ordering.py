@@ -51,6 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.trace_tail import TraceTail  # noqa: E402
 from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan  # noqa: E402
 from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay  # noqa: E402
 from carbonforge_runtime.offline.replay.trace import load_recording, write_jsonl  # noqa: E402
@@ -216,8 +217,7 @@ class Session:
              "--trace-file", str(self.trace)],
             self.dir / "logs", env=env,
         )
-        self._offset = 0
-        self._records: dict[str, dict[str, Any]] = {}
+        self.tail = TraceTail(self.trace)
 
     def __enter__(self) -> Session:
         self.runtime.start().wait_ready()
@@ -239,29 +239,8 @@ class Session:
         with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30) as resp:
             assert resp.status == 200
 
-    def _read_new(self) -> None:
-        if not self.trace.exists():
-            return
-        with self.trace.open("rb") as handle:
-            handle.seek(self._offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        for line in data[:end].splitlines():
-            record = json.loads(line)
-            self._records[record["request_id"]] = record
-
     def records(self, ids: set[str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._read_new()
-            missing = ids - self._records.keys()
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
-        if missing:
-            print(f"  warning: {len(missing)} trace records missing", file=sys.stderr)
-        return [self._records[i] for i in ids if i in self._records]
+        return self.tail.wait(ids, timeout_s)
 
     def replay(self, path: Path, workload: str, rate: float, seed: int,
                limit: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:

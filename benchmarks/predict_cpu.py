@@ -52,6 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.trace_tail import TraceTail  # noqa: E402
 from carbonforge_runtime.core.quantiles import quantile  # noqa: E402
 from carbonforge_runtime.offline.replay.trace import write_jsonl  # noqa: E402
 
@@ -199,8 +200,7 @@ class Engine:
             step_log.unlink(missing_ok=True)
             args += ["--step-log", str(step_log)]
         self.runtime = RuntimeProcess(args, self.dir / "logs", env={"CF_RECIPES_DIR": str(work / "recipes")})
-        self.records: dict[str, dict[str, Any]] = {}
-        self._offset = 0
+        self.tail = TraceTail(self.trace)
 
     def __enter__(self) -> Engine:
         try:
@@ -226,29 +226,8 @@ class Engine:
                 return int(found["tokens"].replace(",", ""))
         return None
 
-    def _read_new(self) -> None:
-        if not self.trace.exists():
-            return
-        with self.trace.open("rb") as handle:
-            handle.seek(self._offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        for line in data[:end].splitlines():
-            record = json.loads(line)
-            self.records[record["request_id"]] = record
-
     def wait_records(self, ids: set[str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._read_new()
-            missing = ids - self.records.keys()
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
-        if missing:
-            log(f"  warning: {len(missing)} trace records missing")
-        return [self.records[i] for i in sorted(ids) if i in self.records]
+        return self.tail.wait(ids, timeout_s)
 
     def replay(self, path: Path, rate: float = 1.0, limit: int | None = None,
                deadline_s: float = 400.0) -> list[dict[str, Any]]:
