@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What ordering is worth, on the twin: every ordering family against FCFS and against a
 total-cost oracle, on four traces at 60, 80, 90 and 95% of the twin's measured capacity, with the
-step-time model's coefficients at +-20% and its KV capacity at +-25% as a sensitivity check.
+step-time model's coefficients at +-20% (all alike, and the token-level and context terms apart) and its
+KV capacity at +-25% as a sensitivity check.
 
 Every figure is a PREDICTION of the twin (vLLM 0.32's real scheduler in virtual time) with a
 step-time model; the shipped models are proxies (``a100-80-tp1`` is CodeLlama-34B's public A100
@@ -28,8 +29,8 @@ request ``max_tokens`` equal to its true output length, so ``ltr`` and ``hybrid`
 ``use_max_tokens: false`` (otherwise their predictions would be capped at the answer).
 
     PYTHONPATH=. .venv/bin/python benchmarks/ordering_twin.py [--limit 2000 | --full] [--jobs N]
-        [--loads 0.6,0.8,0.9,0.95] [--sensitivity-loads 0.8,0.9] [--no-sensitivity]
-        [--json benchmarks/results/ordering_twin.json] [--markdown benchmarks/results/ordering_twin.md]
+        [--loads 0.6,0.8,0.9,0.95] [--sensitivity-loads 0.8,0.9] [--split-loads 0.9] [--no-sensitivity]
+        [--cache DIR] [--json benchmarks/results/ordering_twin.json] [--markdown benchmarks/results/ordering_twin.md]
 
 Each worker process runs under ``PYTHONHASHSEED=0`` (this script re-runs itself under it), and the
 output (table and JSON) is identical whatever ``--jobs`` is; progress and timings go to stderr.
@@ -66,11 +67,18 @@ MOONCAKE = DATA / "mooncake" / "synthetic_trace.jsonl"
 DEFAULT_LIMIT = 2000
 LOADS = (0.6, 0.8, 0.9, 0.95)
 SENSITIVITY_LOADS = (0.8, 0.9)
-#: name -> (coefficient factor, KV capacity factor)
-VARIANTS: dict[str, tuple[float, float]] = {
-    "nominal": (1.0, 1.0), "coef x0.8": (0.8, 1.0), "coef x1.2": (1.2, 1.0),
-    "kv x0.75": (1.0, 0.75), "kv x1.25": (1.0, 1.25),
+#: name -> (factor of the token-level terms: floor, per batched token, overhead; factor of the context
+#: terms: KV read, attention; KV capacity factor). Scaling every coefficient alike only rescales time
+#: (capacity scales with it and the loads follow), so it tests the starvation guards' time constants;
+#: the split variants change the balance of short against long contexts (prefill against decode).
+VARIANTS: dict[str, tuple[float, float, float]] = {
+    "nominal": (1.0, 1.0, 1.0), "coef x0.8": (0.8, 0.8, 1.0), "coef x1.2": (1.2, 1.2, 1.0),
+    "kv x0.75": (1.0, 1.0, 0.75), "kv x1.25": (1.0, 1.0, 1.25),
+    "token terms x0.8": (0.8, 1.0, 1.0), "token terms x1.2": (1.2, 1.0, 1.0),
+    "context terms x0.8": (1.0, 0.8, 1.0), "context terms x1.2": (1.0, 1.2, 1.0),
 }
+SPLIT_VARIANTS = ("token terms x0.8", "token terms x1.2", "context terms x0.8", "context terms x1.2")
+SPLIT_LOADS = (0.9,)
 #: A family's change against FCFS below this is a tie when rankings are compared.
 TIE = 0.01
 
@@ -157,13 +165,13 @@ def _prepared(trace: TraceSpec, limit: int | None, family: str, params: dict[str
     from carbonforge_runtime.offline.sim.inputs import WindowOptions
     from carbonforge_runtime.offline.sim.setup import TwinInputs, prepare, refused
 
-    coef, kv = VARIANTS[variant]
+    token, context, kv = VARIANTS[variant]
     base = prepare(TwinInputs(trace=Path(trace.path), context_key=trace.context_key,
                               window=WindowOptions(limit=limit), family="fcfs"))
     cost = dataclasses.replace(
-        base.cost, floor_ms=base.cost.floor_ms * coef, per_batched_token_ms=base.cost.per_batched_token_ms * coef,
-        per_kv_token_read_ms=base.cost.per_kv_token_read_ms * coef, attention_ms=base.cost.attention_ms * coef,
-        overhead_ms=base.cost.overhead_ms * coef, kv_capacity_tokens=round(base.cost.kv_capacity_tokens * kv))
+        base.cost, floor_ms=base.cost.floor_ms * token, per_batched_token_ms=base.cost.per_batched_token_ms * token,
+        overhead_ms=base.cost.overhead_ms * token, per_kv_token_read_ms=base.cost.per_kv_token_read_ms * context,
+        attention_ms=base.cost.attention_ms * context, kv_capacity_tokens=round(base.cost.kv_capacity_tokens * kv))
     if family == "oracle-cost":
         params = {**cost_oracle_params(cost), **params}
     twin = dataclasses.replace(base.twin, family=family, params=params, kv_tokens=cost.kv_capacity_tokens)
@@ -353,6 +361,10 @@ def render(meta: dict[str, Any], results: list[dict[str, Any]], capacities: list
     if sens_cells:
         lines += [f"## Sensitivity (predicted, {cost_label} with coefficients x0.8 / x1.2, KV capacity "
                   "x0.75 / x1.25; capacity re-measured per variant)", "",
+                  "`coef`: every coefficient alike (capacity scales with it and the load follows, so this "
+                  "mostly tests the starvation guards' time constants); `token terms`: floor, per batched "
+                  "token and overhead alone; `context terms`: KV read and attention alone (these change the "
+                  "cost of long contexts against short ones); `kv`: the KV capacity.", "",
                   "Per cell: the family ranking by mean and by p99 e2e under each variant against the nominal "
                   "model. `order`: the exact order of all families; `tiers`: which families beat FCFS, tie "
                   f"with it (within {TIE:.0%}) or lose; `best`: the best deployable (non-oracle) family, or "
@@ -435,6 +447,8 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--loads", type=floats, default=LOADS)
     parser.add_argument("--sensitivity-loads", type=floats, default=SENSITIVITY_LOADS)
+    parser.add_argument("--split-loads", type=floats, default=SPLIT_LOADS,
+                        help="loads of the variants that scale the token-level or the context terms alone")
     parser.add_argument("--no-sensitivity", action="store_true")
     parser.add_argument("--traces", default="azure-conv,mooncake,prefill,templated")
     parser.add_argument("--cache", type=Path, default=None,
@@ -469,8 +483,8 @@ def main() -> int:
             jobs = []
             for t in traces:
                 for v in variants:
-                    loads = args.loads if v == "nominal" else tuple(x for x in args.loads
-                                                                     if x in args.sensitivity_loads)
+                    chosen = args.split_loads if v in SPLIT_VARIANTS else args.sensitivity_loads
+                    loads = args.loads if v == "nominal" else tuple(x for x in args.loads if x in chosen)
                     for load in loads:
                         for label, family, params in cands:
                             if v != "nominal" and family == "trace":
@@ -493,12 +507,15 @@ def main() -> int:
     window = "--full" if args.full else f"--limit {args.limit}"
     command = (f"python benchmarks/ordering_twin.py {window} --loads {','.join(f'{x:g}' for x in args.loads)}"
                + (" --no-sensitivity" if args.no_sensitivity else
-                  f" --sensitivity-loads {','.join(f'{x:g}' for x in args.sensitivity_loads)}")
+                  f" --sensitivity-loads {','.join(f'{x:g}' for x in args.sensitivity_loads)}"
+                  f" --split-loads {','.join(f'{x:g}' for x in args.split_loads)}")
                + (f" --traces {args.traces}" if args.traces != parser.get_default("traces") else ""))
     meta = {"command": command, "cost_model_label": cost_label, "predicted": True, "measured": False,
             "cost_model": model.to_json(), "limit": limit, "loads": list(args.loads),
             "sensitivity_loads": [] if args.no_sensitivity else list(args.sensitivity_loads),
-            "variants": {k: {"coefficients_x": v[0], "kv_capacity_x": v[1]} for k, v in VARIANTS.items()},
+            "variants": {k: {"token_terms_x": v[0], "context_terms_x": v[1], "kv_capacity_x": v[2]}
+                         for k, v in VARIANTS.items()},
+            "split_loads": [] if args.no_sensitivity else list(args.split_loads),
             "tie_threshold": TIE,
             "traces": [dataclasses.asdict(t) | {"path": Path(t.path).name} for t in traces],
             "candidates": [{"label": c[0], "family": c[1], "params": c[2]} for c in cands]}
