@@ -232,3 +232,14 @@ def synthetic_mooncake(path: Path, count: int, seed: int, per_second: float, pro
                      "output_length": rng.randrange(*output), "hash_ids": []})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def offline_argv(args: Sequence[str], placeholders: Mapping[str, str], key: str, output: Path) -> list[str]:
+    """A test's arguments for an offline command, placeholders replaced, with ``--context-key KEY`` and
+    ``--output OUTPUT`` added unless the test gives its own."""
+    argv = [placeholders.get(a, a) for a in args]
+    if "--context-key" not in argv:
+        argv += ["--context-key", key]
+    if "--output" not in argv:
+        argv += ["--output", str(output)]
+    return argv

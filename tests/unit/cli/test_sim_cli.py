@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from carbonforge_runtime.cli import main as cli
+from tests.support import offline_argv
 
 REPO = Path(__file__).resolve().parents[3]
 KEY = "qwen3-32b:fp8:chat:a100-80x1"
@@ -100,12 +101,8 @@ def test_bad_input_is_refused_in_one_line_without_output(tmp_path: Path, args: l
     (tmp_path / "d").mkdir()
     mapping = {"TRACE": str(trace), "BADMODEL": str(bad_model), "DIR": str(tmp_path / "d"),
                "missing.jsonl": str(tmp_path / "missing.jsonl")}
-    argv = [mapping.get(a, a) for a in args]
-    if "--context-key" not in argv:
-        argv += ["--context-key", KEY]
     out = tmp_path / "r.json"
-    if "--output" not in argv:
-        argv += ["--output", str(out)]
+    argv = offline_argv(args, mapping, KEY, out)
     result = runner.invoke(cli.app, ["sim", *argv])
     assert result.exit_code == code, result.output
     assert message in result.output

@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from carbonforge_runtime.cli import main as cli
-from tests.support import synthetic_mooncake
+from tests.support import offline_argv, synthetic_mooncake
 
 KEY = "qwen3-32b:fp8:chat:a100-80x1"
 runner = CliRunner()
@@ -40,13 +40,8 @@ def test_bad_input_is_refused_in_one_line_without_output(tmp_path: Path, args: l
     trace = long_prompts(tmp_path / "t.jsonl", 5)
     (tmp_path / "d").mkdir()
     (tmp_path / "f").write_text("")
-    mapping = {"DIR": str(tmp_path / "d"), "FILE": str(tmp_path / "f")}
-    argv = [mapping.get(a, a) for a in args]
-    if "--context-key" not in argv:
-        argv += ["--context-key", KEY]
     out = tmp_path / "r.json"
-    if "--output" not in argv:
-        argv += ["--output", str(out)]
+    argv = offline_argv(args, {"DIR": str(tmp_path / "d"), "FILE": str(tmp_path / "f")}, KEY, out)
     result = runner.invoke(cli.app, ["tune", str(trace), *argv])
     assert result.exit_code == 2, result.output
     assert message in result.output and "fix:" in result.output
