@@ -128,6 +128,13 @@ class TraceSpec:
     note: str
 
 
+def label_of(family: str, params: dict[str, Any]) -> str:
+    """A candidate's label: the family's name with its default parameters (for ``ltr`` and ``hybrid``
+    without the output-length cap), ``NAME@recipe`` with a shipped recipe's."""
+    rest = {k: v for k, v in params.items() if not (k == "use_max_tokens" and family in ("ltr", "hybrid"))}
+    return f"{family}@recipe" if rest else family
+
+
 def candidates(recipes: Any, include_trace: bool) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, family, params): every registry family with default parameters, each shipped recipe's
     parameters for its family, and the total-cost oracle."""
@@ -150,7 +157,7 @@ def candidates(recipes: Any, include_trace: bool) -> list[tuple[str, str, dict[s
         if key in seen:
             continue
         seen.add(key)
-        out.append((f"{family}@recipe", family, params))
+        out.append((label_of(family, params), family, params))
     out.append(("oracle-cost", "oracle-cost", {}))
     return sorted(out, key=lambda c: (c[0] != "fcfs", c[0]))
 
@@ -377,12 +384,12 @@ def render(meta: dict[str, Any], results: list[dict[str, Any]], capacities: list
             if nominal is None:
                 continue
             for variant in variants:
-                rows = by_cell.get((name, variant, load))
-                if rows is None:
+                under = by_cell.get((name, variant, load))
+                if under is None:
                     continue
-                labels = sorted(set(rows) & set(nominal))
+                labels = sorted(set(under) & set(nominal))
                 nom = {k: nominal[k] for k in labels}
-                var = {k: rows[k] for k in labels}
+                var = {k: under[k] for k in labels}
                 for metric, mname in (("e2e_mean_s", "mean e2e"), ("e2e_p99_s", "p99 e2e")):
                     a, b = ranking(nom, metric), ranking(var, metric)
                     same_order = a == b
@@ -433,7 +440,8 @@ def pin_hash_seed() -> None:
     env = dict(os.environ, PYTHONHASHSEED=HASH_SEED, PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env)
+    # The running script (this one, or another that imports this function).
+    os.execve(sys.executable, [sys.executable, str(Path(sys.argv[0]).resolve()), *sys.argv[1:]], env)
 
 
 def floats(text: str) -> tuple[float, ...]:
@@ -451,6 +459,12 @@ def main() -> int:
                         help="loads of the variants that scale the token-level or the context terms alone")
     parser.add_argument("--no-sensitivity", action="store_true")
     parser.add_argument("--traces", default="azure-conv,mooncake,prefill,templated")
+    parser.add_argument("--candidates", default="",
+                        help="labels to run (comma-separated; default every candidate), e.g. for whole traces")
+    parser.add_argument("--sensitivity-candidates", default="",
+                        help="labels to run under the sensitivity variants (default: those of --candidates)")
+    parser.add_argument("--variants", default="",
+                        help="sensitivity variants to run (comma-separated names; default all)")
     parser.add_argument("--cache", type=Path, default=None,
                         help="keep each run's figures in DIR and reuse them (a run is deterministic); lets an "
                              "interrupted matrix resume, with another --jobs")
@@ -467,8 +481,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cf-ordering-twin-") as workdir:
         wanted = args.traces.split(",")
         traces = [t for t in make_traces(Path(workdir), limit) if t.name in wanted]
-        variants = ["nominal"] + ([] if args.no_sensitivity else [v for v in VARIANTS if v != "nominal"])
+        chosen_variants = [v for v in args.variants.split(",") if v] or [v for v in VARIANTS if v != "nominal"]
+        unknown = sorted(set(chosen_variants) - set(VARIANTS))
+        if unknown:
+            parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+        variants = ["nominal"] + ([] if args.no_sensitivity else chosen_variants)
         cands = candidates(recipes, True)
+        labels = [c[0] for c in cands]
+        wanted_labels = [x for x in args.candidates.split(",") if x] or labels
+        sens_labels = [x for x in args.sensitivity_candidates.split(",") if x] or wanted_labels
+        unknown = sorted((set(wanted_labels) | set(sens_labels)) - set(labels))
+        if unknown or "fcfs" not in wanted_labels or "fcfs" not in sens_labels:
+            parser.error(f"candidates must include fcfs and come from: {', '.join(labels)}")
+        cands = [c for c in cands if c[0] in wanted_labels or c[0] in sens_labels]
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx) as pool:
             cap_futures = {pool.submit(cached, args.cache, capacity_job, t, limit, v): (t.name, v)
@@ -487,6 +512,8 @@ def main() -> int:
                     loads = args.loads if v == "nominal" else tuple(x for x in args.loads if x in chosen)
                     for load in loads:
                         for label, family, params in cands:
+                            if label not in (wanted_labels if v == "nominal" else sens_labels):
+                                continue
                             if v != "nominal" and family == "trace":
                                 continue
                             jobs.append((t, limit, v, load, caps[(t.name, v)], label, family, params))
@@ -509,7 +536,10 @@ def main() -> int:
                + (" --no-sensitivity" if args.no_sensitivity else
                   f" --sensitivity-loads {','.join(f'{x:g}' for x in args.sensitivity_loads)}"
                   f" --split-loads {','.join(f'{x:g}' for x in args.split_loads)}")
-               + (f" --traces {args.traces}" if args.traces != parser.get_default("traces") else ""))
+               + (f" --traces {args.traces}" if args.traces != parser.get_default("traces") else "")
+               + (f" --candidates {args.candidates}" if args.candidates else "")
+               + (f" --sensitivity-candidates {args.sensitivity_candidates}" if args.sensitivity_candidates else "")
+               + (f" --variants '{args.variants}'" if args.variants else ""))
     meta = {"command": command, "cost_model_label": cost_label, "predicted": True, "measured": False,
             "cost_model": model.to_json(), "limit": limit, "loads": list(args.loads),
             "sensitivity_loads": [] if args.no_sensitivity else list(args.sensitivity_loads),

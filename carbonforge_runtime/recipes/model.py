@@ -293,7 +293,7 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
 #: The fields of a benchmark block; ``predicted`` is written by ``tune``.
 BENCHMARK_FIELDS = {"measured_on", "date", "figures", "predicted"}
 PREDICTED_FIELDS = {"measured", "by", "trace", "window", "goal", "slo", "cost_model", "candidates", "chosen",
-                    "shipped"}
+                    "shipped", "baseline"}
 
 
 def _benchmark(top: _Fields) -> dict[str, Any]:
