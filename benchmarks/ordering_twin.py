@@ -553,13 +553,18 @@ def main() -> int:
     for r in results + capacities:
         r.pop("cpu_s", None)
     out = {"meta": meta, "capacities": capacities, "results": results, "summary": summary}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(clean(out), indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text(markdown, encoding="utf-8")
-    print(markdown)
-    print(f"wall {time.perf_counter() - started:.0f} s; wrote {args.json} and {args.markdown}", file=sys.stderr)
+    write_outputs(args.json, args.markdown, out, markdown, started)
     return 0
+
+
+def write_outputs(json_path: Path, markdown_path: Path, out: dict[str, Any], markdown: str, started: float) -> None:
+    """The result as JSON (rounded, keys sorted) and as Markdown, which is also printed."""
+    for path, text in ((json_path, json.dumps(clean(out), indent=1, sort_keys=True) + "\n"),
+                       (markdown_path, markdown)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    print(markdown)
+    print(f"wall {time.perf_counter() - started:.0f} s; wrote {json_path} and {markdown_path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,9 @@ KV_BLOCKS = 512
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 MAX_MODEL_LEN = 2048
 
-#: Family parameters: the defaults. (With ``cache_lookup_limit: 128`` the CPU engine's steps under
-#: ltr-promptlen took 11% longer than the FCFS-calibrated model says: the twin does not charge the
-#: ordering's own CPU time, which a 3 ms step makes visible.)
+#: Family parameters: the defaults. (With ``cache_lookup_limit: 128``, ltr-promptlen's steps on the
+#: CPU engine took 11% longer than the FCFS-calibrated model says; the twin does not charge the
+#: ordering's own CPU time, a visible share of a 3 ms step.)
 PARAMS: dict[str, dict[str, Any]] = {
     "fcfs": {},
     "ltr-promptlen": {},

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import os
 import re
@@ -45,13 +44,13 @@ from benchmarks.ordering_twin import (  # noqa: E402
     TraceSpec,
     cached,
     capacity_job,
-    clean,
     label_of,
     make_traces,
     pct,
     pin_hash_seed,
     rel,
     run_job,
+    write_outputs,
 )
 
 WORKLOAD_TRACE = {"chat": "azure-conv", "coding": "prefill", "agentic": "mooncake"}
@@ -116,7 +115,7 @@ def predicted_block(recipe: Any, trace: TraceSpec, cap: dict[str, Any], load: fl
                        "scaling_rule": model.scaling_rule},
         "candidates": len(rows),
         "chosen": {"candidate": label, "family": recipe.scheduler.family,
-                   **figures(rows[label], rows["fcfs"])},
+                   "params": dict(recipe.scheduler.params), **figures(rows[label], rows["fcfs"])},
         "baseline": {"candidate": "fcfs", **figures(rows["fcfs"], rows["fcfs"])},
     }
 
@@ -224,11 +223,7 @@ def main() -> int:
         entry["capacity"].pop("cpu_s", None)
         for r in entry["rows"].values():
             r.pop("cpu_s", None)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(clean(out), indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    args.markdown.write_text(markdown, encoding="utf-8")
-    print(markdown)
-    print(f"wall {time.perf_counter() - started:.0f} s; wrote {args.json} and {args.markdown}", file=sys.stderr)
+    write_outputs(args.json, args.markdown, out, markdown, started)
     return 0
 
 
