@@ -463,6 +463,8 @@ def main() -> int:
                         help="labels to run (comma-separated; default every candidate), e.g. for whole traces")
     parser.add_argument("--sensitivity-candidates", default="",
                         help="labels to run under the sensitivity variants (default: those of --candidates)")
+    parser.add_argument("--sensitivity-traces", default="",
+                        help="traces to run under the sensitivity variants (default: those of --traces)")
     parser.add_argument("--variants", default="",
                         help="sensitivity variants to run (comma-separated names; default all)")
     parser.add_argument("--cache", type=Path, default=None,
@@ -481,6 +483,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cf-ordering-twin-") as workdir:
         wanted = args.traces.split(",")
         traces = [t for t in make_traces(Path(workdir), limit) if t.name in wanted]
+        sens_traces = [x for x in args.sensitivity_traces.split(",") if x] or wanted
         chosen_variants = [v for v in args.variants.split(",") if v] or [v for v in VARIANTS if v != "nominal"]
         unknown = sorted(set(chosen_variants) - set(VARIANTS))
         if unknown:
@@ -508,6 +511,8 @@ def main() -> int:
             jobs = []
             for t in traces:
                 for v in variants:
+                    if v != "nominal" and t.name not in sens_traces:
+                        continue
                     chosen = args.split_loads if v in SPLIT_VARIANTS else args.sensitivity_loads
                     loads = args.loads if v == "nominal" else tuple(x for x in args.loads if x in chosen)
                     for load in loads:
@@ -517,6 +522,7 @@ def main() -> int:
                             if v != "nominal" and family == "trace":
                                 continue
                             jobs.append((t, limit, v, load, caps[(t.name, v)], label, family, params))
+            jobs.sort(key=lambda job: job[2] != "nominal")  # the main table first, then the sensitivity
             futures = [pool.submit(cached, args.cache, run_job, *job) for job in jobs]
             results = []
             for i, fut in enumerate(as_completed(futures), 1):
@@ -539,6 +545,7 @@ def main() -> int:
                + (f" --traces {args.traces}" if args.traces != parser.get_default("traces") else "")
                + (f" --candidates {args.candidates}" if args.candidates else "")
                + (f" --sensitivity-candidates {args.sensitivity_candidates}" if args.sensitivity_candidates else "")
+               + (f" --sensitivity-traces {args.sensitivity_traces}" if args.sensitivity_traces else "")
                + (f" --variants '{args.variants}'" if args.variants else ""))
     meta = {"command": command, "cost_model_label": cost_label, "predicted": True, "measured": False,
             "cost_model": model.to_json(), "limit": limit, "loads": list(args.loads),

@@ -12,8 +12,9 @@ A generated table sits between two marker comments in a page, e.g.
 
 Everything outside the markers is written by hand and left alone. Every table is built at run time
 from the code (the typer app, ``settings.VARIABLES``, ``exposition.METRICS``, the trace record's
-field tables, the doctor's ``CHECKS``, the error classes, the shipped recipes, the API's request
-contract), never from a list kept here. The output is deterministic: no timestamps, no machine-specific paths.
+field tables, the doctor's ``CHECKS``, the error classes, the shipped recipes and their predicted
+benchmark blocks, the API's request contract, the ordering benchmark's committed result), never from
+a list kept here. The output is deterministic: no timestamps, no machine-specific paths.
 """
 
 from __future__ import annotations
@@ -230,6 +231,78 @@ def recipes_table() -> str:
     return _table(["Context key", "Plan", "Model", "Scheduler family", "Drain time", "Description"], rows)
 
 
+def _change(value: float, base: float) -> str:
+    return f"{(value / base - 1.0) * 100:+.1f}%" if base else "n/a"
+
+
+def recipes_predicted_table() -> str:
+    """The shipped recipes' ``benchmark.predicted`` blocks (written by benchmarks/recipes_twin.py)."""
+    from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
+
+    rows = []
+    for key, recipe in sorted(load_recipes([shipped_recipes_dir()]).items()):
+        block = recipe.benchmark.get("predicted")
+        if not block:
+            why = ("none: no step-time model ships for the CPU engine" if recipe.key.hardware.is_cpu
+                   else "none yet")
+            rows.append((_code(key), why, "", _code(recipe.scheduler.family), "", "", "", ""))
+            continue
+        chosen, base, model = block["chosen"], block["baseline"], block["cost_model"]
+        if chosen.get("family") != recipe.scheduler.family:
+            raise GenerationError(f"{key}: benchmark.predicted is for family {chosen.get('family')!r}, the recipe "
+                                  f"serves {recipe.scheduler.family!r}; run benchmarks/recipes_twin.py --write")
+        trace = block["trace"]
+        rows.append((
+            _code(key),
+            f"{trace['name']} ({trace['served']:,} requests) at {block['window']['load']:.0%}",
+            f"{model['name']} v{model['version']}" + (" (proxy)" if model.get("proxy") else ""),
+            _code(chosen["candidate"]),
+            f"{chosen['e2e_mean_s']:.2f} ({_change(chosen['e2e_mean_s'], base['e2e_mean_s'])})",
+            f"{chosen['e2e_p99_s']:.2f} ({_change(chosen['e2e_p99_s'], base['e2e_p99_s'])})",
+            f"{chosen['ttft_mean_s']:.2f} ({_change(chosen['ttft_mean_s'], base['ttft_mean_s'])})",
+            f"{chosen['throughput_rps']:.3f}",
+        ))
+    return _table(["Context key", "Predicted on", "Step-time model", "Family", "mean e2e s (vs FCFS)",
+                   "p99 e2e s (vs FCFS)", "mean TTFT s (vs FCFS)", "req/s"], rows)
+
+
+#: The ordering benchmark's committed result (benchmarks/ordering_twin.py --full).
+ORDERING_RESULT = REPO / "benchmarks" / "results" / "ordering_twin_full.json"
+
+
+def ordering_twin_table() -> str:
+    """Per trace and load: FCFS, the best deployable family and the total-cost oracle, from the
+    committed result of the ordering benchmark on the twin."""
+    import json
+
+    try:
+        data = json.loads(ORDERING_RESULT.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise GenerationError(f"cannot read {ORDERING_RESULT.relative_to(REPO)}: {exc}") from None
+    cells: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
+    for r in data["results"]:
+        if r["variant"] == "nominal":
+            cells.setdefault((r["trace"], r["load"]), {})[r["label"]] = r
+    best = data["summary"]["best"]
+    rows = []
+    for trace in [t["name"] for t in data["meta"]["traces"]]:
+        for load in sorted(x for t, x in cells if t == trace):
+            cell = cells[(trace, load)]
+            fcfs = cell["fcfs"]
+            label = best[f"{trace}/{load:g}"]["mean_e2e"]
+            top = cell[label]
+            oracle = cell.get("oracle-cost")
+            rows.append((
+                trace, f"{load:.0%}", f"{fcfs['e2e_mean_s']:.2f} / {fcfs['e2e_p99_s']:.2f}", _code(label),
+                f"{_change(top['e2e_mean_s'], fcfs['e2e_mean_s'])} / {_change(top['e2e_p99_s'], fcfs['e2e_p99_s'])}",
+                _change(top["ttft_mean_s"], fcfs["ttft_mean_s"]),
+                "" if oracle is None else (f"{_change(oracle['e2e_mean_s'], fcfs['e2e_mean_s'])} / "
+                                           f"{_change(oracle['e2e_p99_s'], fcfs['e2e_p99_s'])}"),
+            ))
+    return _table(["Trace", "Load", "FCFS mean / p99 e2e s", "Best deployable family (mean e2e)",
+                   "its mean / p99 e2e vs FCFS", "its mean TTFT vs FCFS", "`oracle-cost` mean / p99 vs FCFS"], rows)
+
+
 def recipe_api_table() -> str:
     """What a client of each shipped recipe talks to: the model name, the parsers, the thinking budgets."""
     from carbonforge_runtime.core.api_contract import EFFORTS
@@ -441,6 +514,8 @@ TABLES: dict[str, Generated] = {
     "runtime-flags": Generated("cli.md", runtime_flags_table),
     "env-vars": Generated("environment.md", env_vars_table),
     "recipes": Generated("recipes.md", recipes_table),
+    "recipes-predicted": Generated("recipes.md", recipes_predicted_table),
+    "ordering-twin": Generated("ordering.md", ordering_twin_table),
     "recipe-api": Generated("clients.md", recipe_api_table),
     "api-efforts": Generated("clients.md", efforts_table),
     "api-errors": Generated("clients.md", api_errors_table),
