@@ -128,6 +128,16 @@ class TraceSpec:
     note: str
 
 
+#: The parameters the shipped recipes named before this benchmark chose their families (no shipped
+#: recipe names these families with parameters any more): ``NAME@recipe`` keeps comparing them.
+EARLIER_RECIPE_PARAMS: dict[str, dict[str, Any]] = {
+    "affinity": {"aging_rate": 200, "max_queue": 64, "max_overtake_s": 30},
+    "hybrid": {"output_weight": 1.0, "prompt_weight": 0.005, "aging_rate": 20, "max_overtake_s": 60,
+               "use_max_tokens": False},
+    "ltr-promptlen": {"aging_rate": 500, "max_overtake_s": 30},
+}
+
+
 def label_of(family: str, params: dict[str, Any]) -> str:
     """A candidate's label: the family's name with its default parameters (for ``ltr`` and ``hybrid``
     without the output-length cap), ``NAME@recipe`` with a shipped recipe's."""
@@ -158,6 +168,9 @@ def candidates(recipes: Any, include_trace: bool) -> list[tuple[str, str, dict[s
             continue
         seen.add(key)
         out.append((label_of(family, params), family, params))
+    for family, params in EARLIER_RECIPE_PARAMS.items():
+        if not any(c[0] == f"{family}@recipe" for c in out):
+            out.append((f"{family}@recipe", family, dict(params)))
     out.append(("oracle-cost", "oracle-cost", {}))
     return sorted(out, key=lambda c: (c[0] != "fcfs", c[0]))
 
