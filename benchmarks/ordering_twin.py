@@ -138,31 +138,37 @@ EARLIER_RECIPE_PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Families that cap their output-length prediction at the request's ``max_tokens``.
+CAPPED = ("ltr", "hybrid")
+
+
+def twin_params(family: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` as the twin runs them: ``ltr`` and ``hybrid`` without the ``max_tokens`` cap (the
+    twin hands every request its true output length as ``max_tokens``)."""
+    return {**params, "use_max_tokens": False} if family in CAPPED else dict(params)
+
+
 def label_of(family: str, params: dict[str, Any]) -> str:
     """A candidate's label: the family's name with its default parameters (for ``ltr`` and ``hybrid``
     without the output-length cap), ``NAME@recipe`` with a shipped recipe's."""
-    rest = {k: v for k, v in params.items() if not (k == "use_max_tokens" and family in ("ltr", "hybrid"))}
+    rest = {k: v for k, v in params.items() if not (k == "use_max_tokens" and family in CAPPED)}
     return f"{family}@recipe" if rest else family
 
 
 def candidates(recipes: Any, include_trace: bool) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, family, params): every registry family with default parameters, each shipped recipe's
     parameters for its family, and the total-cost oracle."""
-    no_cap = {"use_max_tokens": False}
     out: list[tuple[str, str, dict[str, Any]]] = []
     for name in sorted(FAMILIES):
         if name == "oracle-cost" or (name == "trace" and not include_trace):
             continue
-        params: dict[str, Any] = dict(no_cap) if name in ("ltr", "hybrid") else {}
-        out.append((name, name, params))
+        out.append((name, name, twin_params(name, {})))
     seen: set[tuple[str, str]] = set()
     for recipe in recipes:
         family = recipe.scheduler.family
-        params = dict(recipe.scheduler.params)
-        if family in ("fcfs", "trace") or not params:
+        if family in ("fcfs", "trace") or not recipe.scheduler.params:
             continue
-        if family in ("ltr", "hybrid"):
-            params.update(no_cap)
+        params = twin_params(family, recipe.scheduler.params)
         key = (family, json.dumps(params, sort_keys=True))
         if key in seen:
             continue

@@ -95,8 +95,6 @@ METRICS = (("mean_e2e", "mean e2e s"), ("p99_e2e", "p99 e2e s"), ("mean_ttft", "
 HIGHER_IS_BETTER = {"mean_e2e": False, "p99_e2e": False, "mean_ttft": False, "throughput": True}
 
 WORKER_CPUS: str | None = None
-#: The served model's directory when ``--layers`` asks for a deeper one than the built-in model.
-MODEL_DIR: Path | None = None
 
 
 def log(text: str) -> None:
@@ -191,13 +189,14 @@ def build_model(work: Path, layers: int) -> Path:
     return target
 
 
-def write_recipes(directory: Path, families: list[str]) -> None:
-    """One recipe per family, all the same engine (a copy of cf-tiny with the benchmark's knobs)."""
+def write_recipes(directory: Path, families: list[str], model_dir: Path | None) -> None:
+    """One recipe per family, all the same engine (a copy of cf-tiny with the benchmark's knobs),
+    serving ``model_dir`` (the built-in tiny model when None)."""
     from tests.support import TINY_SERVED_NAME
 
     directory.mkdir(parents=True, exist_ok=True)
     bind = f', VLLM_CPU_OMP_THREADS_BIND: "{WORKER_CPUS}"' if WORKER_CPUS else ""
-    model = (f"{{repo: {MODEL_DIR}, served_name: {TINY_SERVED_NAME}}}" if MODEL_DIR is not None else
+    model = (f"{{repo: {model_dir}, served_name: {TINY_SERVED_NAME}}}" if model_dir is not None else
              f"{{repo: carbonforge/tiny-chat, served_name: {TINY_SERVED_NAME}, builtin: tiny-chat}}")
     for family in families:
         (directory / f"pred-{family}.yaml").write_text(f"""key: {key(family)}
@@ -611,10 +610,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     if not args.no_pin and {"calibrate", "real"} & set(phases):
         pin_processes()
-    global MODEL_DIR
-    if args.layers:
-        MODEL_DIR = build_model(work, args.layers)
-    write_recipes(work / "recipes", families)
+    write_recipes(work / "recipes", families, build_model(work, args.layers) if args.layers else None)
     started = time.monotonic()
     for phase in phases:
         log(f"\n== {phase} ({time.monotonic() - started:.0f} s)")

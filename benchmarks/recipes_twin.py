@@ -42,6 +42,7 @@ if str(REPO) not in sys.path:
 from benchmarks.ordering_twin import (  # noqa: E402
     TIE,
     TraceSpec,
+    best_deployable,
     cached,
     capacity_job,
     label_of,
@@ -50,16 +51,13 @@ from benchmarks.ordering_twin import (  # noqa: E402
     pin_hash_seed,
     rel,
     run_job,
+    twin_params,
     write_outputs,
 )
 
 WORKLOAD_TRACE = {"chat": "azure-conv", "coding": "prefill", "agentic": "mooncake"}
-#: Deployable families tried on every recipe (default parameters; no output-length cap, as the
-#: twin hands every request its true output length as ``max_tokens``).
-FAMILIES: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("fcfs", {}), ("ltr-promptlen", {}), ("affinity", {}), ("ltr", {"use_max_tokens": False}),
-    ("hybrid", {"use_max_tokens": False}),
-)
+#: Deployable families tried on every recipe, with their default parameters.
+FAMILIES = ("fcfs", "ltr-promptlen", "affinity", "ltr", "hybrid")
 FIGURES = ("e2e_mean_s", "e2e_p99_s", "ttft_mean_s", "ttft_p99_s", "throughput_rps")
 #: A family is chosen over FCFS only if its p99 e2e is no worse than FCFS's by more than this.
 P99_SLACK = 0.05
@@ -69,35 +67,30 @@ BLOCK_COMMENT = ("# benchmark.predicted: figures PREDICTED by the twin (vLLM's s
 
 def recipe_candidates(recipe: Any) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, family, params): the deployable families, the recipe's own scheduler, the oracle."""
-    out = {label_of(f, p): (f, dict(p)) for f, p in FAMILIES}
-    own = dict(recipe.scheduler.params)
-    if recipe.scheduler.family in ("ltr", "hybrid"):
-        own["use_max_tokens"] = False
-    out.setdefault(label_of(recipe.scheduler.family, own), (recipe.scheduler.family, own))
+    out = {label_of(f, twin_params(f, {})): (f, twin_params(f, {})) for f in FAMILIES}
+    own = twin_params(recipe.scheduler.family, recipe.scheduler.params)
+    out.setdefault(shipped_label(recipe), (recipe.scheduler.family, own))
     out["oracle-cost"] = ("oracle-cost", {})
     return [(label, f, p) for label, (f, p) in sorted(out.items(), key=lambda kv: (kv[0] != "fcfs", kv[0]))]
 
 
 def shipped_label(recipe: Any) -> str:
-    params = dict(recipe.scheduler.params)
-    if recipe.scheduler.family in ("ltr", "hybrid"):
-        params["use_max_tokens"] = False
-    return label_of(recipe.scheduler.family, params)
+    return label_of(recipe.scheduler.family, twin_params(recipe.scheduler.family, recipe.scheduler.params))
 
 
 def best(rows: dict[str, dict[str, Any]]) -> str:
-    """The deployable family with the lowest mean e2e whose p99 e2e stays within P99_SLACK of FCFS's;
-    FCFS unless one beats it by more than TIE."""
+    """The deployable family with the lowest mean e2e among those whose p99 e2e stays within
+    P99_SLACK of FCFS's; FCFS unless it beats FCFS by more than TIE."""
     f = rows["fcfs"]
-    fits = [label for label, r in rows.items() if not label.startswith("oracle")
-            and rel(r["e2e_p99_s"], f["e2e_p99_s"]) <= P99_SLACK]
-    label = min(fits, key=lambda x: (rows[x]["e2e_mean_s"], x))
-    return label if rel(rows[label]["e2e_mean_s"], f["e2e_mean_s"]) < -TIE else "fcfs"
+    return best_deployable({label: r for label, r in rows.items()
+                            if rel(r["e2e_p99_s"], f["e2e_p99_s"]) <= P99_SLACK}, "e2e_mean_s")
 
 
-def figures(row: dict[str, Any], fcfs: dict[str, Any]) -> dict[str, Any]:
+def figures(row: dict[str, Any], fcfs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The predicted figures of a run, and their change against FCFS's when given."""
     out: dict[str, Any] = {k: round(row[k], 4) for k in FIGURES}
-    out["vs_fcfs"] = {k: f"{rel(row[k], fcfs[k]) * 100:+.1f}%" for k in FIGURES}
+    if fcfs is not None:
+        out["vs_fcfs"] = {k: f"{rel(row[k], fcfs[k]) * 100:+.1f}%" for k in FIGURES}
     return out
 
 
@@ -116,7 +109,7 @@ def predicted_block(recipe: Any, trace: TraceSpec, cap: dict[str, Any], load: fl
         "candidates": len(rows),
         "chosen": {"candidate": label, "family": recipe.scheduler.family,
                    "params": dict(recipe.scheduler.params), **figures(rows[label], rows["fcfs"])},
-        "baseline": {"candidate": "fcfs", **figures(rows["fcfs"], rows["fcfs"])},
+        "baseline": {"candidate": "fcfs", **figures(rows["fcfs"])},
     }
 
 
