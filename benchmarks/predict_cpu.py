@@ -23,19 +23,24 @@ bottleneck, as a GPU engine serving a large model is. ``--layers 0`` serves the 
 5. ``real``: replays ``trace-b.jsonl`` against the real engine, one engine start per family, and
    FCFS a second time (``fcfs-again``: the noise floor), each with a step log. Every figure comes
    from the runtime's own request trace (arrival at the engine to completion), which has the same
-   format as ``sim``'s per-request records.
-6. ``engine-side``: the twin fed each real run's own records, i.e. the arrival times at the
-   scheduler rather than the offered ones (the front end taken out), and the fitted model's price
-   of each run's logged steps against their wall time.
+   format as ``sim``'s per-request records. Before each replay a speed probe serves the
+   calibration's first burst again; its steps against the model say how much faster or slower the
+   machine is than when it was calibrated, and the twin predicts B once more with the model scaled
+   by that factor (still before B is served).
+6. ``engine-side``: after the fact, the fitted model's price of each run's logged steps against
+   their wall time (the machine's speed during the run); the twin predicts B again with the model
+   scaled to that speed, from the offered arrivals and then from each run's own records, i.e. the
+   arrival times at the scheduler (the HTTP front end taken out as well).
 7. ``report``: per run, predicted against real mean and p99 e2e, mean TTFT and throughput with the
-   error, for the offered and the engine-side arrivals; FCFS against itself per metric; and whether
-   the twin ranks the families as the real engine does where the real difference exceeds the noise
-   floor. Targets: mean e2e and throughput within 15%, p99 e2e within 25% (PASS/MISS printed; the
-   exit status is 0 either way).
+   error, for the offered arrivals (as calibrated, at the probe's speed, at the run's speed) and
+   the engine-side arrivals; the HTTP front end's delay (the client's send to the arrival at the scheduler); FCFS
+   against itself per metric; and whether the twin ranks the families as the real engine does where
+   the real difference exceeds the noise floor. Targets: mean e2e and throughput within 15%, p99
+   e2e within 25% (PASS/MISS printed; the exit status is 0 either way).
 
 Everything lands in ``--work``; each phase reads what the earlier ones wrote, so they can run
 separately (``--phase calibrate``, later ``--phase real``). ``--phase all`` runs them in order
-(about 8 minutes on 2 cores: four engine starts)::
+(about 10 minutes on 2 cores: four engine starts)::
 
     PYTHONPATH=. .venv/bin/python benchmarks/predict_cpu.py --work /work/bench-out/predict --json predict.json
 
@@ -277,9 +282,10 @@ class Engine:
     def wait_records(self, ids: set[str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
         return self.tail.wait(ids, timeout_s)
 
-    def replay(self, path: Path, rate: float = 1.0, limit: int | None = None,
-               deadline_s: float = 400.0) -> list[dict[str, Any]]:
-        """Replay ``path`` at ``rate`` times its pace; the runtime's trace records of its requests."""
+    def replay(self, path: Path, rate: float = 1.0, limit: int | None = None, deadline_s: float = 400.0,
+               sent: Path | None = None) -> list[dict[str, Any]]:
+        """Replay ``path`` at ``rate`` times its pace; the runtime's trace records of its requests.
+        With ``sent``, each request's id and Unix send time are written there (one JSON line each)."""
         from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
         from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
         from carbonforge_runtime.offline.replay.trace import load_recording
@@ -291,6 +297,9 @@ class Engine:
         result = asyncio.run(run_replay(plan, options))
         for error in sorted({o.error for o in result.outcomes if o.error}):
             log(f"  warning: a request failed: {error}")
+        if sent is not None:
+            write_jsonl(sent, [{"request_id": o.request_id, "t_sent": round(result.started_at + o.sent_s, 6)}
+                               for o in result.outcomes if o.request_id and o.sent_s is not None])
         return self.wait_records({o.request_id for o in result.outcomes if o.request_id})
 
 
@@ -347,7 +356,9 @@ def phase_calibrate(work: Path, args: argparse.Namespace) -> None:
     with Engine(work, "fcfs", "calibrate", step_log=step_log) as engine:
         kv_engine = engine.kv_tokens()
         log(f"calibrate: engine ready (engine log KV capacity: {kv_engine} tokens)")
+        burst_from = time.time()
         burst = engine.replay(work / "trace-a.jsonl", rate=1e6, limit=args.burst)
+        burst_window = (burst_from, max(r["t_completion"] for r in burst))
         capacity = completion_rate(burst)
         # A ramps from 0.5 to 1.5 requests/s (unit time stamps): 0.5 .. 1.5 x 0.85 of the capacity.
         rate_a = 0.85 * capacity
@@ -358,7 +369,8 @@ def phase_calibrate(work: Path, args: argparse.Namespace) -> None:
         log(f"calibrate: A replayed in {time.monotonic() - started:.0f} s: {len(records)} records, "
             f"mean e2e {metrics(records)['mean_e2e']:.3f} s")
     (work / "calibrate-run.json").write_text(json.dumps({
-        "capacity_burst_rps": capacity, "rate_a": rate_a, "kv_tokens_engine_log": kv_engine,
+        "capacity_burst_rps": capacity, "burst_window": burst_window, "rate_a": rate_a,
+        "kv_tokens_engine_log": kv_engine,
         "real_a": metrics(records)}, indent=1))
 
 
@@ -383,12 +395,16 @@ def phase_fit(work: Path, args: argparse.Namespace) -> None:
     kv_engine = run.get("kv_tokens_engine_log")
     if kv_engine is not None and kv_log is not None and kv_engine != kv_log:
         log(f"fit: warning: the step log says {kv_log} KV tokens, the engine log {kv_engine}")
+    burst_ratio = (window_ratio(step_log, yaml_coefficients(work / "model.yaml"), *run["burst_window"])[0]
+                   if "burst_window" in run else None)
     (work / "calibrate.json").write_text(json.dumps({
-        **run, "kv_tokens": kv_log or kv_engine, "kv_tokens_step_log": kv_log, "fit": fit_text}, indent=1))
+        **run, "kv_tokens": kv_log or kv_engine, "kv_tokens_step_log": kv_log, "fit": fit_text,
+        "burst_wall_over_model": burst_ratio}, indent=1))
 
 
-def sim_args(work: Path, family: str, kv_tokens: int) -> list[str]:
-    return ["--context-key", key(family), "--cost-model", str(work / "model.yaml"), "--kv-tokens", str(kv_tokens),
+def sim_args(work: Path, family: str, kv_tokens: int, model: Path | None = None) -> list[str]:
+    return ["--context-key", key(family), "--cost-model", str(model or work / "model.yaml"),
+            "--kv-tokens", str(kv_tokens),
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
             "--max-model-len", str(MAX_MODEL_LEN), "--no-async-scheduling", "--quiet"]
 
@@ -422,6 +438,8 @@ def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> Non
     results_path = work / "real.json"
     results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {}
     runs = [families[0], *families[1:], AGAIN] if families[0] == "fcfs" else [*families, AGAIN]
+    probe_path = work / "probe.json"
+    probes: dict[str, Any] = json.loads(probe_path.read_text()) if probe_path.exists() else {}
     for run in runs:
         if run in results and not args.redo:
             log(f"real: {run}: already measured (--redo to measure again)")
@@ -429,10 +447,12 @@ def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> Non
         family = "fcfs" if run == AGAIN else run
         steps = work / f"real-{run}" / "steps.jsonl"
         with Engine(work, family, f"real-{run}", step_log=steps) as engine:
+            probes[run] = probe(work, engine, steps, family, args)
+            (work / "probe.json").write_text(json.dumps(probes, indent=1))
             engine.replay(work / "trace-b.jsonl", rate=1e6, limit=args.warmup)  # compile shapes, not measured
             warm_steps = sum(1 for _ in steps.open()) if steps.exists() else 0
             started = time.monotonic()
-            records = engine.replay(work / "trace-b.jsonl")
+            records = engine.replay(work / "trace-b.jsonl", sent=work / f"real-{run}" / "sent.jsonl")
         write_jsonl(work / f"real-{run}" / "records.jsonl", sorted(records, key=lambda r: r["t_arrival"]))
         (work / f"real-{run}" / "warmup-lines.txt").write_text(f"{warm_steps}\n")
         results[run] = metrics(records)
@@ -440,6 +460,70 @@ def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> Non
         log(f"real: {run}: {m['n']:.0f} done in {time.monotonic() - started:.0f} s: mean e2e {m['mean_e2e']:.3f} s, "
             f"p99 {m['p99_e2e']:.3f} s, TTFT {m['mean_ttft']:.3f} s, {m['throughput']:.2f} req/s")
         results_path.write_text(json.dumps(results, indent=1))
+
+
+def window_ratio(steps: Path, coefficients: dict[str, float], t_from: float, t_to: float) -> tuple[float, int]:
+    """The logged wall time of the steps that ended in [t_from, t_to] over the model's price of them,
+    and how many there were."""
+    import numpy as np
+
+    from carbonforge_runtime.offline.sim.calibrate import predict_ms
+
+    rows = [r for r in read_jsonl(steps) if r.get("kind") == "step" and t_from <= r["t"] <= t_to]
+    if not rows:
+        return float("nan"), 0
+    price = predict_ms(coefficients, *(np.asarray([float(r[k]) for r in rows])
+                                       for k in ("batched_tokens", "kv_read_tokens", "attention_units")))
+    return sum(r["wall_s"] for r in rows) * 1000.0 / float(price.sum()), len(rows)
+
+
+def probe(work: Path, engine: Engine, steps: Path, family: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The machine's speed now against its speed when the step log was recorded, and the twin's
+    prediction of trace B at that speed, made before B is served.
+
+    The probe is the calibration's own first workload, trace A's first ``--burst`` requests at once:
+    the step-time model's price of its steps against their wall time, divided by the same ratio for
+    the calibration run's burst, is the factor by which the machine is slower (above 1) or faster
+    than when it was calibrated. A shared or virtual machine drifts by tens of percent within
+    minutes, which no model of the engine can know; a GPU serving one model does not."""
+    calibration = json.loads((work / "calibrate.json").read_text())
+    reference = calibration.get("burst_wall_over_model")
+    started = time.time()
+    burst = engine.replay(work / "trace-a.jsonl", rate=1e6, limit=args.burst)
+    until = max(r["t_completion"] for r in burst)
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:  # the step log's writer may not have written the last steps yet
+        if any(r.get("kind") == "step" and r["t"] >= until for r in read_jsonl(steps)[-8:]):
+            break
+        time.sleep(0.3)
+    coefficients = yaml_coefficients(work / "model.yaml")
+    ratio, count = window_ratio(steps, coefficients, started, until)
+    if reference is None or not math.isfinite(ratio):
+        log("  probe: no calibration burst to compare with (run calibrate and fit again)")
+        return {"speed": None}
+    speed = ratio / float(reference)
+    scaled_model = work / f"model-probe-{family}.yaml"
+    write_scaled_model(work / "model.yaml", scaled_model, speed)
+    kv = int(calibration["kv_tokens"])
+    out = work / f"probe-sim-{family}.requests.jsonl"
+    cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv, scaled_model),
+         "-o", str(work / f"probe-sim-{family}.json"), "--records", str(out)], work)
+    predicted = metrics(read_jsonl(out))
+    log(f"  probe: {count} steps of A's burst took {ratio:.2f}x the model's price (calibration: "
+        f"{reference:.2f}x): the machine runs at {speed:.2f}x the calibrated step times; the twin at that "
+        f"speed predicts mean e2e {predicted['mean_e2e']:.3f} s, p99 {predicted['p99_e2e']:.3f} s")
+    return {"speed": speed, "steps": count, "ratio": ratio, "reference": reference, "predicted": predicted}
+
+
+def write_scaled_model(source: Path, target: Path, factor: float) -> None:
+    """``source``'s step-time model with every coefficient multiplied by ``factor``."""
+    import yaml
+
+    model = yaml.safe_load(source.read_text())
+    model["coefficients_ms"] = {k: float(v) * factor for k, v in model["coefficients_ms"].items()}
+    model["name"] = f"{model['name']}-x{factor:.3f}"
+    model["provenance"] = f"{model['provenance']} Every coefficient scaled by {factor:.3f} (the speed probe)."
+    target.write_text(yaml.safe_dump(model, sort_keys=False))
 
 
 def step_model_error(work: Path, run: str) -> dict[str, float] | None:
@@ -461,6 +545,21 @@ def step_model_error(work: Path, run: str) -> dict[str, float] | None:
             "mean_relative_error": float(np.mean(np.abs(pred - wall) / wall))}
 
 
+def front_end_delay(work: Path, run: str) -> dict[str, float] | None:
+    """From the client's send to the request's arrival at the scheduler, per request of a real run:
+    the HTTP front end's time, which the twin does not model (None without the run's send times)."""
+    sent_path = work / f"real-{run}" / "sent.jsonl"
+    if not sent_path.exists():
+        return None
+    sent = {r["request_id"]: r["t_sent"] for r in read_jsonl(sent_path)}
+    delays = sorted(r["t_arrival"] - sent[r["request_id"]]
+                    for r in read_jsonl(work / f"real-{run}" / "records.jsonl") if r["request_id"] in sent)
+    if not delays:
+        return None
+    return {"requests": float(len(delays)), "mean_s": statistics.fmean(delays),
+            "p50_s": float(quantile(delays, 0.5) or 0.0), "p99_s": float(quantile(delays, 0.99) or 0.0)}
+
+
 def yaml_coefficients(path: Path) -> dict[str, float]:
     import yaml
 
@@ -468,9 +567,15 @@ def yaml_coefficients(path: Path) -> dict[str, float]:
 
 
 def phase_engine_side(work: Path, args: argparse.Namespace, families: list[str]) -> None:
-    """The twin fed each real run's own engine-side arrivals (the runtime's trace records: when each
-    request reached the scheduler, its prompt and output tokens). This leaves out the HTTP front end,
-    which the twin does not model, and tests the scheduler loop and the step-time model alone."""
+    """After the fact, two things the twin cannot know beforehand taken out, one at a time:
+
+    - the machine's drift: the fitted model's price of each real run's logged steps against their
+      wall time gives the speed the machine ran at; the twin predicts B's offered arrivals again
+      with the model scaled to it (one number from the run, none of its latencies);
+    - and the HTTP front end as well: the twin fed each run's own records at that speed, i.e. the
+      arrival times at the scheduler (the runtime's trace records: when each request reached it,
+      its prompt and output tokens) rather than the offered ones. This tests the scheduler loop and
+      the step-time model alone."""
     real = json.loads((work / "real.json").read_text())
     calibration = json.loads((work / "calibrate.json").read_text())
     kv = int(calibration["kv_tokens"])
@@ -480,15 +585,23 @@ def phase_engine_side(work: Path, args: argparse.Namespace, families: list[str])
         records = work / f"real-{run}" / "records.jsonl"
         if family not in families or not records.exists():
             continue
-        sim_out = work / f"engine-side-{run}.json"
-        cli(["sim", str(records), *sim_args(work, family, kv), "-o", str(sim_out),
-             "--records", str(work / f"engine-side-{run}.requests.jsonl")], work)
-        out[run] = {"predicted": metrics(read_jsonl(work / f"engine-side-{run}.requests.jsonl")),
-                    "real": real[run], "step_model": step_model_error(work, run)}
-        m, sm = out[run]["predicted"], out[run]["step_model"]
-        log(f"engine-side: {run}: mean e2e {m['mean_e2e']:.3f} s (real {real[run]['mean_e2e']:.3f})" + (
-            "" if sm is None else f"; step model on the run's {sm['steps']:.0f} steps: total {sm['sum_ratio']:.2f}x "
-            f"the wall time, mean relative error {sm['mean_relative_error']:.0%}"))
+        sm = step_model_error(work, run)
+        model = work / "model.yaml"
+        if sm is not None:
+            model = work / f"model-run-{run}.yaml"
+            write_scaled_model(work / "model.yaml", model, 1.0 / sm["sum_ratio"])
+        result: dict[str, Any] = {"real": real[run], "step_model": sm}
+        for name, trace in (("offered", work / "trace-b.jsonl"), ("predicted", records)):
+            stem = f"engine-side-{run}" if name == "predicted" else f"run-speed-{run}"
+            cli(["sim", str(trace), *sim_args(work, family, kv, model), "-o", str(work / f"{stem}.json"),
+                 "--records", str(work / f"{stem}.requests.jsonl")], work)
+            result[name] = metrics(read_jsonl(work / f"{stem}.requests.jsonl"))
+        out[run] = result
+        log(f"engine-side: {run}: " + ("" if sm is None else
+            f"the model on the run's {sm['steps']:.0f} steps: total {sm['sum_ratio']:.2f}x the wall time, mean "
+            f"relative error {sm['mean_relative_error']:.0%}; ") + f"at the run's speed, mean e2e "
+            f"{result['offered']['mean_e2e']:.3f} s from the offered arrivals, {result['predicted']['mean_e2e']:.3f} s "
+            f"from the engine's (real {real[run]['mean_e2e']:.3f})")
     (work / "engine-side.json").write_text(json.dumps(out, indent=1))
 
 
@@ -544,15 +657,37 @@ def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
         figures["noise_floor"] = noise
         lines += ["", "Noise floor (the same trace served twice with FCFS): " + ", ".join(
             f"{m} {real[AGAIN][m]:.3f} vs {real['fcfs'][m]:.3f} ({noise[m]:.0%})" for m, _ in METRICS)]
+    probe_path = work / "probe.json"
+    probes = json.loads(probe_path.read_text()) if probe_path.exists() else {}
+    probed = {run: p["predicted"] for run, p in probes.items() if p.get("speed") is not None}
+    if probed:
+        figures["probe"] = side = {"runs": probes}
+        lines += ["", "## Offered arrivals at the machine's speed of the moment",
+                  "", "(before each real run, the calibration's first burst served again: its steps against the model "
+                  "give the machine's speed, and the twin predicts B with the model scaled to it)", ""]
+        lines += comparison(probed, real, [r for r in runs if r in probed], side)
+        lines += ["", "Speed against the calibration (step times, above 1 slower): " + ", ".join(
+            f"{run} {p['speed']:.2f}x ({p['steps']} steps)" for run, p in probes.items() if p.get("speed") is not None)]
+    delays = {run: d for run in runs if run in real and (d := front_end_delay(work, run)) is not None}
+    if delays:
+        figures["front_end_delay"] = delays
+        lines += ["", "HTTP front end (the client's send to the arrival at the scheduler, not modelled by the twin): "
+                  + "; ".join(f"{run} mean {d['mean_s'] * 1000:.0f} ms, p50 {d['p50_s'] * 1000:.0f} ms, "
+                              f"p99 {d['p99_s'] * 1000:.0f} ms" for run, d in delays.items())]
     engine_side_path = work / "engine-side.json"
     if engine_side_path.exists():
         engine_side = json.loads(engine_side_path.read_text())
+        ordered = [r for r in runs if r in engine_side]
+        figures["run_speed"] = at_speed = {"runs": {r: v.get("offered") for r, v in engine_side.items()}}
+        lines += ["", "## After the fact, at the machine's speed during each run",
+                  "", "(the model scaled by its price of the run's own logged steps against their wall time)", ""]
+        lines += comparison({r: v["offered"] for r, v in engine_side.items() if "offered" in v},
+                            {r: v["real"] for r, v in engine_side.items()}, ordered, at_speed)
         figures["engine_side"] = side = {"runs": engine_side}
-        lines += ["", "## Engine-side arrivals: the twin fed each real run's own arrival times at the scheduler",
-                  "", "(the HTTP front end, which the twin does not model, taken out)", ""]
+        lines += ["", "## ... and fed each run's own arrival times at the scheduler", "",
+                  "(the HTTP front end, which the twin does not model, taken out as well)", ""]
         lines += comparison({r: v["predicted"] for r, v in engine_side.items()},
-                            {r: v["real"] for r, v in engine_side.items()}, [r for r in runs if r in engine_side],
-                            side)
+                            {r: v["real"] for r, v in engine_side.items()}, ordered, side)
         lines += ["", "The fitted step-time model on each real run's own steps (after the warm-up):"]
         for run, v in engine_side.items():
             sm = v["step_model"]

@@ -392,12 +392,14 @@ class _CarbonForgeMixin:
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         steps = self._cf_steps
-        if steps is not None:
-            steps.updated(scheduler_output, time.monotonic())
         energy = self._cf_energy
-        if energy is not None:
-            energy.step_ended(scheduler_output, time.monotonic(), scheduler_output.num_scheduled_tokens,
-                              self.get_num_unfinished_requests() > 0)  # type: ignore[attr-defined]
+        if steps is not None or energy is not None:
+            step_end = time.monotonic()
+            busy = self.get_num_unfinished_requests() > 0  # type: ignore[attr-defined]
+            if steps is not None:
+                steps.updated(scheduler_output, step_end, busy)
+            if energy is not None:
+                energy.step_ended(scheduler_output, step_end, scheduler_output.num_scheduled_tokens, busy)
         if self._cf_track:
             now = self._cf_clock()
             pending = self._cf_pending_first

@@ -13,14 +13,17 @@ Records leave through the request trace's machinery (:class:`~carbonforge_runtim
 with a :class:`~carbonforge_runtime.engine.trace_sinks.JsonlSink`): a bounded intake, a writer
 thread, appends under a file lock, and every line given up on counted and reported in the engine log.
 
-**Wall time.** A step's ``wall_s`` runs from the later of ``schedule()`` being entered and the end
-of the previous step, to the end of ``update_from_output()`` for that step's output (measured with
-the monotonic clock). With synchronous scheduling (the CPU engine, or async scheduling off) this is
-scheduling, the forward pass and the output processing of one step. With asynchronous scheduling
-(vLLM's GPU default) step k+1 is scheduled while step k runs, so while the engine is busy the
-measure is the time between two consecutive step completions: the step's own forward pass plus
-whatever host work did not overlap it. Not included: the engine core's handling of new requests and
-of finished outputs between two steps, and idle time. Steps that schedule no token are not logged.
+**Wall time.** A step's ``wall_s`` ends with ``update_from_output()`` for that step's output
+(measured with the monotonic clock). It starts at the end of the previous step if the engine still
+had unfinished requests then (it was busy and went straight on), and otherwise at the later of
+``schedule()`` being entered and the end of the previous step (it waited for work). So while the
+engine is busy, a step's wall time is the time between two consecutive step completions: with
+synchronous scheduling (the CPU engine, or async scheduling off) scheduling, the forward pass, the
+output processing and the engine core's handling of arriving requests and outgoing results before
+the step; with asynchronous scheduling (vLLM's GPU default), where step k+1 is scheduled while
+step k runs, the step's own forward pass plus whatever host work did not overlap it. The twin has
+no other place for that host work, so it belongs in the steps it fits. Idle time is in no step.
+Steps that schedule no token are not logged.
 
 Line kinds (``kind``):
 
@@ -116,6 +119,7 @@ class StepLog:
         self.writer = StepLogWriter([JsonlSink(config.file)], self._build, limits, log, clock, label=LABEL)
         self._starts: dict[int, float] = {}
         self._last_end = float("-inf")
+        self._busy_at_last_end = False
         self.steps = 0
 
     def start(self, header: Mapping[str, Any]) -> StepLog:
@@ -138,13 +142,15 @@ class StepLog:
             starts.clear()
         starts[id(output)] = entered
 
-    def updated(self, output: Any, ended: float) -> None:
+    def updated(self, output: Any, ended: float, busy: bool) -> None:
+        """``busy``: the engine has unfinished requests after this step (it goes straight on)."""
         start = self._starts.pop(id(output), None)
         if start is None:
             return
-        if start < self._last_end:
+        if start < self._last_end or self._busy_at_last_end:
             start = self._last_end
         self._last_end = ended
+        self._busy_at_last_end = busy
         if output.total_num_scheduled_tokens:
             self.steps += 1
             self.writer.submit((output, start, ended, self.steps))

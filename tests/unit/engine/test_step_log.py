@@ -40,7 +40,7 @@ def _step(engine: Engine, clock: FakeClock, forward_s: float) -> Any:
     runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
     scheduler.update_from_output(out, runner)
-    clock.now += 0.001  # between steps: not part of any step
+    clock.now += 0.001  # between steps: part of the next step if requests are left, else idle
     return out
 
 
@@ -83,7 +83,9 @@ def test_step_log_counts_a_chunked_prefill_by_hand(vllm_parts: dict[str, Any], m
         (20, 20, 0, 1, 0, 20 * (64 + 10), 64),
     ]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
-    assert [s["wall_s"] for s in steps] == [*forwards, 0.03125]  # empty steps and gaps not counted
+    # A busy engine's time between steps counts in the next step; the wait for c after the
+    # engine ran out of work, and the empty step, count nowhere.
+    assert [s["wall_s"] for s in steps] == [0.25, 0.125 + 0.001, 0.0625 + 0.001, 0.03125]
     assert all(s["kind"] == "step" and s["engine"] == 0 for s in steps)
     assert steps[0]["t"] < steps[-1]["t"]
 
@@ -156,15 +158,30 @@ def test_asynchronous_steps_are_timed_from_the_previous_steps_end(tmp_path: Path
     o1, o2, o3, empty = _out(10), _out(5), _out(1), _out(0)
     log.scheduled(o1, 0.0)
     log.scheduled(o2, 1.0)  # scheduled while o1 runs
-    log.updated(o1, 5.0)
+    log.updated(o1, 5.0, True)
     log.scheduled(empty, 6.0)
-    log.updated(o2, 9.0)
-    log.updated(empty, 9.5)  # nothing ran: not logged, and the next step is measured from its end
-    log.updated(_out(3), 10.0)  # never scheduled through the log: ignored
+    log.updated(o2, 9.0, False)
+    log.updated(empty, 9.5, False)  # nothing ran: not logged, and the next step is measured from its end
+    log.updated(_out(3), 10.0, True)  # never scheduled through the log: ignored
     log.scheduled(o3, 20.0)  # after an idle time
-    log.updated(o3, 21.5)
+    log.updated(o3, 21.5, False)
     intake = list(log.writer._intake)
     assert [(item[1], item[2], item[3]) for item in intake] == [(0.0, 5.0, 1), (5.0, 9.0, 2), (20.0, 21.5, 3)]
+
+
+def test_synchronous_steps_of_a_busy_engine_include_the_time_between_them(tmp_path: Path) -> None:
+    log = StepLog(StepLogConfig(file=str(tmp_path / "s.jsonl")), 0, logging.getLogger("test"))
+    o1, o2, o3, o4 = _out(10), _out(5), _out(1), _out(2)
+    log.scheduled(o1, 0.0)
+    log.updated(o1, 2.0, True)  # requests left: the engine core goes straight on
+    log.scheduled(o2, 2.4)  # after handling outputs and arrivals: that time belongs to this step
+    log.updated(o2, 4.0, False)  # nothing left: the engine waits for work
+    log.scheduled(o3, 9.0)  # a request arrived at 8.9: the wait is idle time, in no step
+    log.updated(o3, 10.0, True)
+    log.scheduled(o4, 10.1)
+    log.updated(o4, 11.0, True)
+    intake = list(log.writer._intake)
+    assert [(item[1], item[2]) for item in intake] == [(0.0, 2.0), (2.0, 4.0), (9.0, 10.0), (10.0, 11.0)]
 
 
 def test_a_full_queue_drops_counts_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -172,7 +189,7 @@ def test_a_full_queue_drops_counts_and_says_so(tmp_path: Path, caplog: pytest.Lo
     outputs = [_out(1) for _ in range(5)]  # kept alive, so that no two share an id
     for i, o in enumerate(outputs):
         log.scheduled(o, float(i))
-        log.updated(o, i + 0.5)
+        log.updated(o, i + 0.5, True)
     assert log.writer.intake_dropped == 3 and log.writer.dropped()["queue"] == 3
     with caplog.at_level(logging.WARNING, logger="test"):
         log.writer.report()
