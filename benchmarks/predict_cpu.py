@@ -96,6 +96,8 @@ AGAIN = "fcfs-again"
 TARGETS = {"mean_e2e": 0.15, "throughput": 0.15, "p99_e2e": 0.25}
 METRICS = (("mean_e2e", "mean e2e s"), ("p99_e2e", "p99 e2e s"), ("mean_ttft", "mean TTFT s"),
            ("throughput", "req/s"))
+#: A real difference smaller than this is not ranked, whatever the noise floor.
+MIN_JUDGED = 0.02
 #: For each metric, which direction is better (for the ranking).
 HIGHER_IS_BETTER = {"mean_e2e": False, "p99_e2e": False, "mean_ttft": False, "throughput": True}
 
@@ -702,8 +704,9 @@ def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
             for metric, _ in METRICS:
                 diff = abs(error(real[a][metric], real[b][metric]))
                 floor = noise.get(metric)
-                if floor is None or not diff > floor:
-                    lines.append(f"  {a} vs {b}, {metric}: real difference {diff:.0%} within the noise floor "
+                if floor is None or not diff > max(floor, MIN_JUDGED):
+                    lines.append(f"  {a} vs {b}, {metric}: real difference {diff:.0%} under {MIN_JUDGED:.0%} or "
+                                 f"within the noise floor "
                                  f"({floor if floor is None else f'{floor:.0%}'}): not judged")
                     continue
                 real_better = (real[a][metric] > real[b][metric]) == HIGHER_IS_BETTER[metric]
