@@ -45,7 +45,9 @@ separately (``--phase calibrate``, later ``--phase real``). ``--phase all`` runs
     PYTHONPATH=. .venv/bin/python benchmarks/predict_cpu.py --work /work/bench-out/predict --json predict.json
 
 The engine's worker is pinned to the first CPU and everything else to the others (as in
-``bench_ordering.py``); ``--no-pin`` leaves them alone. Run it on an otherwise idle machine.
+``bench_ordering.py``), and the engine core's spinning main thread runs at nice 19 so that the API
+server and the client beside it are not starved (see :func:`yield_engine_core`); ``--no-pin``
+leaves all of them alone. Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -236,6 +238,44 @@ def pin_processes() -> None:
     log(f"  engine worker on CPU {cpus[0]}; API server, engine core and client on {cpus[1:]}")
 
 
+def _children() -> dict[int, list[tuple[int, str]]]:
+    """Every process's children, with their command names, from ``/proc``."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(parent, []).append((int(entry), name))
+    return children
+
+
+def yield_engine_core(root: int) -> list[int]:
+    """Lower the priority (nice 19) of the engine core's main thread under process ``root``.
+
+    While a step runs, vLLM's engine core waits for the worker's result by spinning on shared
+    memory (it yields the CPU but stays runnable), so on a machine with one CPU left for it, the
+    API server and the load generator beside it wait up to hundreds of milliseconds to run: the
+    requests reach the engine late and in bunches, which no model of the engine should be asked
+    to predict. On a GPU host the engine core has a core of its own. At nice 19 the spinning gives
+    way at once to the front end and the client, which use a few percent of the CPU; the engine
+    core's other threads (its input and output sockets) keep their priority. The calibration and
+    every real run are served the same way."""
+    children, found, todo = _children(), [], [root]
+    while todo:
+        for pid, name in children.get(todo.pop(), []):
+            todo.append(pid)
+            if name.startswith("VLLM::EngineCor"):
+                found.append(pid)
+    for pid in found:  # on Linux a nice value is per thread: this is the main (spinning) thread
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+    return found
+
+
 _KV_LINE = re.compile(r"KV cache size: (?P<tokens>[0-9,]+) tokens")
 
 
@@ -260,6 +300,10 @@ class Engine:
     def __enter__(self) -> Engine:
         try:
             self.runtime.start().wait_ready(timeout_s=400)
+            if WORKER_CPUS is not None:
+                assert self.runtime.proc is not None
+                if not yield_engine_core(self.runtime.proc.pid):
+                    log("  warning: no engine core process found to lower in priority")
         except BaseException:
             self.runtime.kill()
             raise
@@ -732,7 +776,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=16, help="requests of B sent (not measured) before each run")
     parser.add_argument("--skip-steps", type=int, default=0, help="sim-calibrate --skip-first")
     parser.add_argument("--redo", action="store_true", help="real: measure families already in real.json again")
-    parser.add_argument("--no-pin", action="store_true", help="do not pin the engine worker to a CPU of its own")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="do not pin the engine worker to a CPU of its own nor lower the engine core's priority")
     parser.add_argument("--layers", type=int, default=8,
                         help="serve a random model of this many layers (width 256) built from the tiny model's "
                              "tokenizer; 0: the built-in 2-layer model")
