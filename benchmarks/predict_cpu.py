@@ -756,10 +756,19 @@ def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
                 real_better = (real[a][metric] > real[b][metric]) == HIGHER_IS_BETTER[metric]
                 pred_better = (predicted[a][metric] > predicted[b][metric]) == HIGHER_IS_BETTER[metric]
                 agrees = real_better == pred_better
-                figures["ranking"].append({"a": a, "b": b, "metric": metric, "real_diff": diff, "agrees": agrees})
-                lines.append(f"  {a} vs {b}, {metric}: real: {a if real_better else b} better by {diff:.0%} "
-                             f"(floor {floor:.0%}); twin: {a if pred_better else b} -> "
-                             f"{'AGREES' if agrees else 'DISAGREES'}")
+                entry = {"a": a, "b": b, "metric": metric, "real_diff": diff, "agrees": agrees}
+                line = (f"  {a} vs {b}, {metric}: real: {a if real_better else b} better by {diff:.0%} "
+                        f"(floor {floor:.0%}); twin: {a if pred_better else b} -> "
+                        f"{'AGREES' if agrees else 'DISAGREES'}")
+                # Each real run had its own machine speed: the twin at each run's speed ranks them too.
+                at_speed = figures.get("run_speed", {}).get("runs", {})
+                if at_speed.get(a) and at_speed.get(b):
+                    speed_better = (at_speed[a][metric] > at_speed[b][metric]) == HIGHER_IS_BETTER[metric]
+                    entry["agrees_at_run_speed"] = speed_better == real_better
+                    line += (f"; at each run's speed: {a if speed_better else b} -> "
+                             f"{'AGREES' if speed_better == real_better else 'DISAGREES'}")
+                figures["ranking"].append(entry)
+                lines.append(line)
     return "\n".join(lines), figures
 
 

@@ -48,19 +48,31 @@ def cell(errors: dict[str, dict[str, float]]) -> str:
     return "/".join(f"{100 * worsts[m]:.0f}" for m in TARGETS) + (" met" if met else " missed")
 
 
+def ranking(figures: dict[str, Any]) -> str:
+    """How often the twin ranked the families as the engine did, where the real difference counted."""
+    judged = figures.get("ranking", [])
+    if not judged:
+        return "nothing judged"
+    blind = sum(1 for r in judged if r["agrees"])
+    speed = [r["agrees_at_run_speed"] for r in judged if "agrees_at_run_speed" in r]
+    return f"{blind}/{len(judged)}, " + (f"{sum(speed)}/{len(speed)}" if speed else "-")
+
+
 def summary(paths: list[Path]) -> str:
     lines = ["| check | FCFS vs itself, mean e2e | step times against the calibration | "
-             + " | ".join(label for label, _ in KINDS) + " |", "|---" * (3 + len(KINDS)) + "|"]
+             + " | ".join(label for label, _ in KINDS) + " | ranking agrees: blind, at run speed |",
+             "|---" * (4 + len(KINDS)) + "|"]
     for path in paths:
         figures = json.loads(path.read_text())
         floor = figures.get("noise_floor", {}).get("mean_e2e")
         cells = [cell(figures[key]["errors"]) if figures.get(key, {}).get("errors") else "-" for _, key in KINDS]
         name = path.parent.name if path.name == "figures.json" else path.stem
         lines.append(f"| {name} | {f'{floor:.0%}' if floor is not None else '-'} | {speeds(figures)} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cells) + f" | {ranking(figures)} |")
     lines.append("")
     lines.append("Each prediction: the worst error in % over the check's runs of mean e2e / p99 e2e / throughput, "
-                 "and whether every run met the targets (15% / 25% / 15%).")
+                 "and whether every run met the targets (15% / 25% / 15%). Ranking: of the comparisons of two families "
+                 "whose real difference exceeded FCFS against itself, how many the twin got the same way round.")
     return "\n".join(lines)
 
 
