@@ -28,7 +28,7 @@ from tests.support.burst import send_burst
 
 KEY = "cf-tiny-q2:bf16:chat:cpu"
 LIGHT_REQUESTS = 6
-BURST_REQUESTS = 16
+BURST_REQUESTS = 32  # 16 waves of two sequences: the queue dominates even if the burst arrives spread out
 BILLING = "You are the billing assistant. Be brief."
 SUPPORT = "You are the support assistant for Northwind Analytics. Answer from the provided context only."
 CONVERSATIONS: dict[str, tuple[str, list[str]]] = {
