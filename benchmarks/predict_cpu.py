@@ -764,9 +764,9 @@ def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
                 at_speed = figures.get("run_speed", {}).get("runs", {})
                 if at_speed.get(a) and at_speed.get(b):
                     speed_better = (at_speed[a][metric] > at_speed[b][metric]) == HIGHER_IS_BETTER[metric]
-                    entry["agrees_at_run_speed"] = speed_better == real_better
+                    entry["agrees_at_run_speed"] = speed_agrees = speed_better == real_better
                     line += (f"; at each run's speed: {a if speed_better else b} -> "
-                             f"{'AGREES' if speed_better == real_better else 'DISAGREES'}")
+                             f"{'AGREES' if speed_agrees else 'DISAGREES'}")
                 figures["ranking"].append(entry)
                 lines.append(line)
     return "\n".join(lines), figures
