@@ -23,24 +23,26 @@ bottleneck, as a GPU engine serving a large model is. ``--layers 0`` serves the 
 5. ``real``: replays ``trace-b.jsonl`` against the real engine, one engine start per family, and
    FCFS a second time (``fcfs-again``: the noise floor), each with a step log. Every figure comes
    from the runtime's own request trace (arrival at the engine to completion), which has the same
-   format as ``sim``'s per-request records. Before each replay a speed probe serves the
-   calibration's first burst again; its steps against the model say how much faster or slower the
-   machine is than when it was calibrated, and the twin predicts B once more with the model scaled
-   by that factor (still before B is served).
+   format as ``sim``'s per-request records. Before B is served, each engine repeats the chain
+   (:func:`calibrate_locally`): it serves A at the calibration's rate, a model is fitted to those
+   steps and the twin predicts B with it, still before B is sent. The machine's speed changes
+   between engine starts by tens of percent; this second blind prediction is calibrated a minute
+   before its run, on the same engine.
 6. ``engine-side``: after the fact, the fitted model's price of each run's logged steps against
    their wall time (the machine's speed during the run); the twin predicts B again with the model
    scaled to that speed, from the offered arrivals and then from each run's own records, i.e. the
    arrival times at the scheduler (the HTTP front end taken out as well).
 7. ``report``: per run, predicted against real mean and p99 e2e, mean TTFT and throughput with the
-   error, for the offered arrivals (as calibrated, at the probe's speed, at the run's speed) and
-   the engine-side arrivals; the HTTP front end's delay (the client's send to the arrival at the scheduler); FCFS
-   against itself per metric; and whether the twin ranks the families as the real engine does where
-   the real difference exceeds the noise floor. Targets: mean e2e and throughput within 15%, p99
-   e2e within 25% (PASS/MISS printed; the exit status is 0 either way).
+   error, for the offered arrivals (as calibrated once, as calibrated on each run's engine, at the
+   run's speed) and the engine-side arrivals; the HTTP front end's delay (the client's send to the
+   arrival at the scheduler); FCFS against itself per metric; and whether the twin ranks the
+   families as the real engine does where the real difference exceeds the noise floor. Targets:
+   mean e2e and throughput within 15%, p99 e2e within 25% (PASS/MISS printed; the exit status is 0
+   either way).
 
 Everything lands in ``--work``; each phase reads what the earlier ones wrote, so they can run
 separately (``--phase calibrate``, later ``--phase real``). ``--phase all`` runs them in order
-(about 10 minutes on 2 cores: four engine starts)::
+(about 12 minutes on 2 cores: four engine starts)::
 
     PYTHONPATH=. .venv/bin/python benchmarks/predict_cpu.py --work /work/bench-out/predict --json predict.json
 
@@ -402,9 +404,7 @@ def phase_calibrate(work: Path, args: argparse.Namespace) -> None:
     with Engine(work, "fcfs", "calibrate", step_log=step_log) as engine:
         kv_engine = engine.kv_tokens()
         log(f"calibrate: engine ready (engine log KV capacity: {kv_engine} tokens)")
-        burst_from = time.time()
         burst = engine.replay(work / "trace-a.jsonl", rate=1e6, limit=args.burst)
-        burst_window = (burst_from, max(r["t_completion"] for r in burst))
         capacity = completion_rate(burst)
         # A ramps from 0.5 to 1.5 requests/s (unit time stamps): 0.5 .. 1.5 x 0.85 of the capacity.
         rate_a = 0.85 * capacity
@@ -415,7 +415,7 @@ def phase_calibrate(work: Path, args: argparse.Namespace) -> None:
         log(f"calibrate: A replayed in {time.monotonic() - started:.0f} s: {len(records)} records, "
             f"mean e2e {metrics(records)['mean_e2e']:.3f} s")
     (work / "calibrate-run.json").write_text(json.dumps({
-        "capacity_burst_rps": capacity, "burst_window": burst_window, "rate_a": rate_a,
+        "capacity_burst_rps": capacity, "rate_a": rate_a,
         "kv_tokens_engine_log": kv_engine,
         "real_a": metrics(records)}, indent=1))
 
@@ -441,11 +441,8 @@ def phase_fit(work: Path, args: argparse.Namespace) -> None:
     kv_engine = run.get("kv_tokens_engine_log")
     if kv_engine is not None and kv_log is not None and kv_engine != kv_log:
         log(f"fit: warning: the step log says {kv_log} KV tokens, the engine log {kv_engine}")
-    burst_ratio = (window_ratio(step_log, yaml_coefficients(work / "model.yaml"), *run["burst_window"])[0]
-                   if "burst_window" in run else None)
-    (work / "calibrate.json").write_text(json.dumps({
-        **run, "kv_tokens": kv_log or kv_engine, "kv_tokens_step_log": kv_log, "fit": fit_text,
-        "burst_wall_over_model": burst_ratio}, indent=1))
+    (work / "calibrate.json").write_text(json.dumps(
+        {**run, "kv_tokens": kv_log or kv_engine, "kv_tokens_step_log": kv_log, "fit": fit_text}, indent=1))
 
 
 def sim_args(work: Path, family: str, kv_tokens: int, model: Path | None = None) -> list[str]:
@@ -484,8 +481,8 @@ def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> Non
     results_path = work / "real.json"
     results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {}
     runs = [families[0], *families[1:], AGAIN] if families[0] == "fcfs" else [*families, AGAIN]
-    probe_path = work / "probe.json"
-    probes: dict[str, Any] = json.loads(probe_path.read_text()) if probe_path.exists() else {}
+    local_path = work / "local.json"
+    locals_: dict[str, Any] = json.loads(local_path.read_text()) if local_path.exists() else {}
     for run in runs:
         if run in results and not args.redo:
             log(f"real: {run}: already measured (--redo to measure again)")
@@ -493,9 +490,9 @@ def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> Non
         family = "fcfs" if run == AGAIN else run
         steps = work / f"real-{run}" / "steps.jsonl"
         with Engine(work, family, f"real-{run}", step_log=steps) as engine:
-            probes[run] = probe(work, engine, steps, family, args)
-            (work / "probe.json").write_text(json.dumps(probes, indent=1))
             engine.replay(work / "trace-b.jsonl", rate=1e6, limit=args.warmup)  # compile shapes, not measured
+            locals_[run] = calibrate_locally(work, engine, steps, run, family)
+            local_path.write_text(json.dumps(locals_, indent=1))
             warm_steps = sum(1 for _ in steps.open()) if steps.exists() else 0
             started = time.monotonic()
             records = engine.replay(work / "trace-b.jsonl", sent=work / f"real-{run}" / "sent.jsonl")
@@ -523,42 +520,45 @@ def window_ratio(steps: Path, coefficients: dict[str, float], t_from: float, t_t
     return sum(r["wall_s"] for r in rows) * 1000.0 / float(price.sum()), len(rows)
 
 
-def probe(work: Path, engine: Engine, steps: Path, family: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The machine's speed now against its speed when the step log was recorded, and the twin's
-    prediction of trace B at that speed, made before B is served.
-
-    The probe is the calibration's own first workload, trace A's first ``--burst`` requests at once:
-    the step-time model's price of its steps against their wall time, divided by the same ratio for
-    the calibration run's burst, is the factor by which the machine is slower (above 1) or faster
-    than when it was calibrated. A shared or virtual machine drifts by tens of percent within
-    minutes, which no model of the engine can know; a GPU serving one model does not."""
-    calibration = json.loads((work / "calibrate.json").read_text())
-    reference = calibration.get("burst_wall_over_model")
-    started = time.time()
-    burst = engine.replay(work / "trace-a.jsonl", rate=1e6, limit=args.burst)
-    until = max(r["t_completion"] for r in burst)
-    deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline:  # the step log's writer may not have written the last steps yet
+def wait_for_steps(steps: Path, until: float, timeout_s: float = 30.0) -> None:
+    """Until the step log holds a step that ended at ``until`` or later (its writer may lag)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if any(r.get("kind") == "step" and r["t"] >= until for r in read_jsonl(steps)[-8:]):
-            break
+            return
         time.sleep(0.3)
-    coefficients = yaml_coefficients(work / "model.yaml")
-    ratio, count = window_ratio(steps, coefficients, started, until)
-    if reference is None or not math.isfinite(ratio):
-        log("  probe: no calibration burst to compare with (run calibrate and fit again)")
-        return {"speed": None}
-    speed = ratio / float(reference)
-    scaled_model = work / f"model-probe-{family}.yaml"
-    write_scaled_model(work / "model.yaml", scaled_model, speed)
-    kv = int(calibration["kv_tokens"])
-    out = work / f"probe-sim-{family}.requests.jsonl"
-    cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv, scaled_model),
-         "-o", str(work / f"probe-sim-{family}.json"), "--records", str(out)], work)
+
+
+def calibrate_locally(work: Path, engine: Engine, steps: Path, run: str, family: str) -> dict[str, Any]:
+    """The whole chain again on this engine, just before trace B is served on it: replay trace A at
+    the calibration's rate, fit a step-time model to the steps logged meanwhile, and predict B with
+    it (this run's family). Blind like the first prediction (B has not been served), but calibrated
+    a minute before the run on the same engine process: a shared or virtual machine's speed drifts by
+    tens of percent between engine starts and within minutes, a drift no model of the engine can
+    know, and this takes most of it out."""
+    calibration = json.loads((work / "calibrate-run.json").read_text())
+    started = time.time()
+    records = engine.replay(work / "trace-a.jsonl", rate=float(calibration["rate_a"]))
+    until = max(r["t_completion"] for r in records)
+    wait_for_steps(steps, until)
+    lines = steps.read_text().splitlines()
+    window = [line for line in lines if line.strip() and (
+        (record := json.loads(line)).get("kind") == "engine" or started <= record.get("t", 0.0) <= until)]
+    local_log = work / f"real-{run}" / "steps-a.jsonl"
+    local_log.write_text("\n".join(window) + "\n")
+    model = work / f"model-local-{run}.yaml"
+    fitted = cli(["sim-calibrate", str(local_log), "-o", str(model), "--gpu", "cpu"], work)
+    fit = " ".join(" ".join(line.split()) for line in fitted.stdout.splitlines() if line.startswith("R2"))
+    kv = int(json.loads((work / "calibrate.json").read_text())["kv_tokens"])
+    out = work / f"local-sim-{run}.requests.jsonl"
+    cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv, model),
+         "-o", str(work / f"local-sim-{run}.json"), "--records", str(out)], work)
     predicted = metrics(read_jsonl(out))
-    log(f"  probe: {count} steps of A's burst took {ratio:.2f}x the model's price (calibration: "
-        f"{reference:.2f}x): the machine runs at {speed:.2f}x the calibrated step times; the twin at that "
-        f"speed predicts mean e2e {predicted['mean_e2e']:.3f} s, p99 {predicted['p99_e2e']:.3f} s")
-    return {"speed": speed, "steps": count, "ratio": ratio, "reference": reference, "predicted": predicted}
+    speed = window_ratio(local_log, yaml_coefficients(work / "model.yaml"), started, until)[0]
+    log(f"  calibrated again on this engine ({len(window) - 1} steps of A, {fit}; the first model prices them at "
+        f"{1 / speed:.2f}x their wall time): the twin predicts mean e2e {predicted['mean_e2e']:.3f} s, "
+        f"p99 {predicted['p99_e2e']:.3f} s")
+    return {"steps": len(window) - 1, "fit": fit, "speed": speed, "predicted": predicted}
 
 
 def write_scaled_model(source: Path, target: Path, factor: float) -> None:
@@ -568,7 +568,7 @@ def write_scaled_model(source: Path, target: Path, factor: float) -> None:
     model = yaml.safe_load(source.read_text())
     model["coefficients_ms"] = {k: float(v) * factor for k, v in model["coefficients_ms"].items()}
     model["name"] = f"{model['name']}-x{factor:.3f}"
-    model["provenance"] = f"{model['provenance']} Every coefficient scaled by {factor:.3f} (the speed probe)."
+    model["provenance"] = f"{model['provenance']} Every coefficient scaled by {factor:.3f}."
     target.write_text(yaml.safe_dump(model, sort_keys=False))
 
 
@@ -703,17 +703,18 @@ def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
         figures["noise_floor"] = noise
         lines += ["", "Noise floor (the same trace served twice with FCFS): " + ", ".join(
             f"{m} {real[AGAIN][m]:.3f} vs {real['fcfs'][m]:.3f} ({noise[m]:.0%})" for m, _ in METRICS)]
-    probe_path = work / "probe.json"
-    probes = json.loads(probe_path.read_text()) if probe_path.exists() else {}
-    probed = {run: p["predicted"] for run, p in probes.items() if p.get("speed") is not None}
-    if probed:
-        figures["probe"] = side = {"runs": probes}
-        lines += ["", "## Offered arrivals at the machine's speed of the moment",
-                  "", "(before each real run, the calibration's first burst served again: its steps against the model "
-                  "give the machine's speed, and the twin predicts B with the model scaled to it)", ""]
-        lines += comparison(probed, real, [r for r in runs if r in probed], side)
-        lines += ["", "Speed against the calibration (step times, above 1 slower): " + ", ".join(
-            f"{run} {p['speed']:.2f}x ({p['steps']} steps)" for run, p in probes.items() if p.get("speed") is not None)]
+    local_path = work / "local.json"
+    local = json.loads(local_path.read_text()) if local_path.exists() else {}
+    if local:
+        figures["local"] = side = {"runs": local}
+        lines += ["", "## Calibrated again on each run's engine, just before B is served", "",
+                  "(trace A replayed on the same engine at the calibration's rate, a model fitted to those steps, "
+                  "and B predicted with it, all before B is sent)", ""]
+        lines += comparison({run: v["predicted"] for run, v in local.items()}, real, [r for r in runs if r in local],
+                            side)
+        lines += ["", "Step times of A on each run's engine against the first calibration (above 1 slower): "
+                  + ", ".join(f"{run} {v['speed']:.2f}x ({v['steps']} steps; {' '.join(v['fit'].split())})"
+                              for run, v in local.items())]
     delays = {run: d for run in runs if run in real and (d := front_end_delay(work, run)) is not None}
     if delays:
         figures["front_end_delay"] = delays
@@ -760,13 +761,16 @@ def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
                 line = (f"  {a} vs {b}, {metric}: real: {a if real_better else b} better by {diff:.0%} "
                         f"(floor {floor:.0%}); twin: {a if pred_better else b} -> "
                         f"{'AGREES' if agrees else 'DISAGREES'}")
-                # Each real run had its own machine speed: the twin at each run's speed ranks them too.
-                at_speed = figures.get("run_speed", {}).get("runs", {})
-                if at_speed.get(a) and at_speed.get(b):
-                    speed_better = (at_speed[a][metric] > at_speed[b][metric]) == HIGHER_IS_BETTER[metric]
-                    entry["agrees_at_run_speed"] = speed_agrees = speed_better == real_better
-                    line += (f"; at each run's speed: {a if speed_better else b} -> "
-                             f"{'AGREES' if speed_agrees else 'DISAGREES'}")
+                # Each real run had its own machine speed: the twin calibrated on each run's engine, and
+                # at each run's speed, ranks them too.
+                others = (("local", "calibrated on each engine", {r: v["predicted"] for r, v in local.items()}),
+                          ("at_run_speed", "at each run's speed", figures.get("run_speed", {}).get("runs", {})))
+                for name, label, pred in others:
+                    if pred.get(a) and pred.get(b):
+                        other_better = (pred[a][metric] > pred[b][metric]) == HIGHER_IS_BETTER[metric]
+                        entry[f"agrees_{name}"] = other_better == real_better
+                        line += (f"; {label}: {a if other_better else b} -> "
+                                 f"{'AGREES' if other_better == real_better else 'DISAGREES'}")
                 figures["ranking"].append(entry)
                 lines.append(line)
     return "\n".join(lines), figures

@@ -3,15 +3,17 @@
 
 ``benchmarks/predict_cpu.py`` judges one check; on a machine whose speed drifts, one check says
 little. This reads the ``figures.json`` of each check named and prints, per check, the machine's
-drift (FCFS served twice, and the speed probe's and the runs' own step times against the
-calibration) and, for each kind of prediction, the worst error over the check's runs of mean e2e,
+drift (FCFS served twice, and the step times on each run's engine against the first calibration)
+and, for each kind of prediction, the worst error over the check's runs of mean e2e,
 p99 e2e and throughput and whether all of them met the targets::
 
     .venv/bin/python benchmarks/predict_summary.py /work/bench-out/predict-*/figures.json
 
-Kinds: ``blind`` (the calibrated model, before the trace is served), ``probe`` (the model scaled to
-the speed probe's reading, also before), ``run speed`` (scaled to the run's own steps, after the
-fact) and ``engine arrivals`` (that, fed the arrival times the scheduler saw).
+Kinds: ``blind`` (the model calibrated once, before the trace is served), ``blind, each engine``
+(calibrated again on each run's engine just before it, also before the trace is served; checks
+recorded before that step have ``probe`` instead: the first model scaled to a short burst's speed),
+``run speed`` (the first model scaled to the run's own steps, after the fact) and ``engine
+arrivals`` (that, fed the arrival times the scheduler saw).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from benchmarks.predict_cpu import TARGETS
 #: The targeted figures, in the order of each cell.
 JUDGED = ("mean_e2e", "p99_e2e", "throughput")
 
-KINDS = (("blind", "offered"), ("probe", "probe"), ("run speed", "run_speed"), ("engine arrivals", "engine_side"))
+KINDS = (("blind", "offered"), ("blind, each engine", "local"), ("probe", "probe"), ("run speed", "run_speed"),
+         ("engine arrivals", "engine_side"))
 
 
 def worst(errors: dict[str, dict[str, float]], metric: str) -> float:
@@ -37,12 +40,14 @@ def worst(errors: dict[str, dict[str, float]], metric: str) -> float:
 
 
 def speeds(figures: dict[str, Any]) -> str:
-    """The probe's and the runs' own step times against the calibration, lowest to highest."""
+    """Step times against the first calibration, lowest to highest: trace A on each run's engine (or
+    the probe), and trace B in the runs."""
+    local = [r["speed"] for r in figures.get("local", {}).get("runs", {}).values() if r.get("speed")]
     probe = [r["speed"] for r in figures.get("probe", {}).get("runs", {}).values() if r.get("speed")]
     runs = [1.0 / r["step_model"]["sum_ratio"] for r in figures.get("engine_side", {}).get("runs", {}).values()
             if r.get("step_model")]
-    parts = [f"{name} {min(values):.2f}x-{max(values):.2f}x" for name, values in (("probe", probe), ("runs", runs))
-             if values]
+    parts = [f"{name} {min(values):.2f}x-{max(values):.2f}x"
+             for name, values in (("A", local), ("probe", probe), ("runs", runs)) if values]
     return ", ".join(parts) or "-"
 
 
@@ -58,14 +63,16 @@ def ranking(figures: dict[str, Any]) -> str:
     judged = figures.get("ranking", [])
     if not judged:
         return "nothing judged"
-    blind = sum(1 for r in judged if r["agrees"])
-    speed = [r["agrees_at_run_speed"] for r in judged if "agrees_at_run_speed" in r]
-    return f"{blind}/{len(judged)}, " + (f"{sum(speed)}/{len(speed)}" if speed else "-")
+    cells = [f"{sum(1 for r in judged if r['agrees'])}/{len(judged)}"]
+    for name in ("agrees_local", "agrees_at_run_speed"):
+        other = [r[name] for r in judged if name in r]
+        cells.append(f"{sum(other)}/{len(other)}" if other else "-")
+    return ", ".join(cells)
 
 
 def summary(paths: list[Path]) -> str:
     lines = ["| check | FCFS vs itself, mean e2e | step times against the calibration | "
-             + " | ".join(label for label, _ in KINDS) + " | ranking agrees: blind, at run speed |",
+             + " | ".join(label for label, _ in KINDS) + " | ranking agrees: blind, each engine, at run speed |",
              "|---" * (4 + len(KINDS)) + "|"]
     for path in paths:
         figures = json.loads(path.read_text())
