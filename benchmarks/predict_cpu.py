@@ -536,7 +536,7 @@ def calibrate_locally(work: Path, engine: Engine, steps: Path, run: str, family:
     a minute before the run on the same engine process: a shared or virtual machine's speed drifts by
     tens of percent between engine starts and within minutes, a drift no model of the engine can
     know, and this takes most of it out."""
-    calibration = json.loads((work / "calibrate-run.json").read_text())
+    calibration = json.loads((work / "calibrate.json").read_text())
     started = time.time()
     records = engine.replay(work / "trace-a.jsonl", rate=float(calibration["rate_a"]))
     until = max(r["t_completion"] for r in records)
@@ -549,7 +549,7 @@ def calibrate_locally(work: Path, engine: Engine, steps: Path, run: str, family:
     model = work / f"model-local-{run}.yaml"
     fitted = cli(["sim-calibrate", str(local_log), "-o", str(model), "--gpu", "cpu"], work)
     fit = " ".join(" ".join(line.split()) for line in fitted.stdout.splitlines() if line.startswith("R2"))
-    kv = int(json.loads((work / "calibrate.json").read_text())["kv_tokens"])
+    kv = int(calibration["kv_tokens"])
     out = work / f"local-sim-{run}.requests.jsonl"
     cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv, model),
          "-o", str(work / f"local-sim-{run}.json"), "--records", str(out)], work)
