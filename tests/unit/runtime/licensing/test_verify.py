@@ -302,7 +302,7 @@ from carbonforge_runtime.runtime.licensing import verify, LicenseInvalid
 table = {sys.argv[2]: bytes.fromhex(sys.argv[3])}
 claims = verify(sys.argv[1], table, float(sys.argv[4]))
 try:
-    verify(sys.argv[1][:-2] + "AA", table, float(sys.argv[4]))
+    verify(sys.argv[5], table, float(sys.argv[4]))
 except LicenseInvalid as exc:
     print("verified", claims.licence_id, exc.reason)
 """
@@ -313,8 +313,12 @@ def test_verification_in_a_fresh_process_without_network(signer: Signer, licence
     import subprocess
     import sys
 
+    # The tampered copy flips a bit of the signature itself: editing the text's last characters
+    # can leave the signature unchanged when it already ends in them.
+    tampered = _flip_signature_byte(licence, 7)
+    assert tampered != licence
     result = subprocess.run(
-        [sys.executable, "-c", _FRESH_PROCESS_CHECK, licence, signer.key_id, signer.public.hex(), str(NOW)],
+        [sys.executable, "-c", _FRESH_PROCESS_CHECK, licence, signer.key_id, signer.public.hex(), str(NOW), tampered],
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert result.returncode == 0, result.stderr
