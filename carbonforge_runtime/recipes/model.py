@@ -15,6 +15,8 @@ from carbonforge_runtime.recipes.keys import ContextKey, parse_context_key
 from carbonforge_runtime.recipes.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 PLANS = ("free", "premium")
+#: The drain time of a recipe that sets no drain_timeout_s (vLLM's --shutdown-timeout, in seconds).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 #: vLLM knobs a recipe may set, with their type. Names are vLLM's flags in snake_case.
 VLLM_KNOBS: dict[str, type] = {
@@ -250,7 +252,7 @@ def recipe_from_mapping(data: Any, path: Path) -> Recipe:
             f"but the key declares {key.hardware.count} GPU(s)",
         )
 
-    drain = top.get("drain_timeout_s", (int, float), default=30.0)
+    drain = top.get("drain_timeout_s", (int, float), default=DEFAULT_DRAIN_TIMEOUT_S)
     if not drain > 0 or not float(drain).is_integer():
         # vLLM's --shutdown-timeout takes whole seconds.
         raise top.fail("drain_timeout_s", f"must be a positive whole number of seconds, got {drain!r}")

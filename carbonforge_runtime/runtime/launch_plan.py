@@ -11,7 +11,7 @@ from carbonforge_runtime.core.api_contract import ApiContract
 from carbonforge_runtime.core.contract import SCHEDULER_CLS, EngineContract, Ordering, TraceConfig
 from carbonforge_runtime.core.redaction import redact_args, secrets_to_env
 from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.recipes.model import VLLM_KNOBS, ApiSpec, Recipe, departures_from
+from carbonforge_runtime.recipes.model import DEFAULT_DRAIN_TIMEOUT_S, VLLM_KNOBS, ApiSpec, Recipe, departures_from
 from carbonforge_runtime.runtime.group import WORKER_MODULE, Group
 from carbonforge_runtime.settings import Settings, VarName
 
@@ -332,7 +332,8 @@ def _seconds_text(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-DEFAULT_OVERRIDE_DRAIN_S = 30.0
+#: The drain of an override launch that gives no --shutdown-timeout: a recipe's default.
+DEFAULT_OVERRIDE_DRAIN_S = DEFAULT_DRAIN_TIMEOUT_S
 
 
 def build_override_plan(
