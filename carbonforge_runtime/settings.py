@@ -1,5 +1,9 @@
 """Every environment variable the runtime reads, declared once with its meaning and parser.
 
+Each variable is one :class:`Var` attribute of :class:`Settings`: read on a ``Settings`` it gives
+the typed value (``settings.port``), and the declarations, in order, make the table
+:data:`VARIABLES` that :func:`load_settings`, the doctor and the generated docs/environment.md read.
+
 Nothing else in the package reads ``os.environ`` for these names: callers receive a
 :class:`Settings` built by :func:`load_settings` from a mapping (tests pass their own).
 """
@@ -11,7 +15,7 @@ import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 from carbonforge_runtime.errors import OverrideError
 
@@ -113,91 +117,94 @@ def _seconds(name: str, raw: str) -> float:
     return value
 
 
-@dataclass(frozen=True)
-class Var:
-    name: str
-    doc: str
-    parse: Callable[[str, str], Any]
-    default: Any = None
-    #: True for the CF_* knobs that change the benchmarked configuration.
-    departs_from_benchmark: bool = False
+#: Defaults that other modules also need (the image's published port, a group's watch port, the
+#: manifests' checks): named once here, used by the declarations below and by those modules.
+DEFAULT_API_PORT = 8000
+DEFAULT_METRICS_PORT = 9105
+DEFAULT_MASTER_PORT = 29501
+DEFAULT_GROUP_PORT = 29499
+DEFAULT_READY_TIMEOUT_S = 3600.0
 
-
-VARIABLES: tuple[Var, ...] = (
-    Var("CF_CONTEXT_KEY", "Recipe to serve, as <model>:<quant>:<workload>:<hardware>; unset runs the doctor",
-        _text),
-    Var("CARBONFORGE_LICENSE_KEY", "Licence key text; takes precedence over the licence file", _text),
-    Var("CF_LICENSE_FILE", "Path of the licence file", _text, "/etc/carbonforge/license.key"),
-    Var("CF_DRY_RUN", "Observe-only: the energy controller logs what it would do and changes nothing",
-        _flag, False),
-    Var("CF_MAX_MODEL_LEN", "Override the recipe's context length (--max-model-len)", _positive_int,
-        departs_from_benchmark=True),
-    Var("CF_GPU_MEMORY_UTILIZATION", "Override the recipe's GPU memory fraction (--gpu-memory-utilization)",
-        _fraction, departs_from_benchmark=True),
-    Var("CF_VLLM_EXTRA_ARGS", "Extra vLLM flags appended to the recipe's, split like a shell line",
-        _shell_words, departs_from_benchmark=True),
-    Var("CF_RECIPES_DIR", "An extra directory of recipe YAML files (they win over shipped ones on the same key)",
-        _text),
-    Var("CF_LOG_DIR", "Where vllm.log, the runtime's own runtime.log and default trace files go", _text,
-        "/var/log/carbonforge"),
-    Var("CF_PORT", "Port of the OpenAI-compatible API", _port, 8000),
-    Var("CF_HOST", "Address the API binds to", _text, "0.0.0.0"),
-    Var("CF_METRICS_PORT", "Port of the Prometheus metrics endpoint (with --metrics; same address as the API)",
-        _port, 9105),
-    Var("CF_FAKE_NVML", "Testing only: path of a JSON script that replaces NVML with a simulated GPU", _text),
-    Var("CF_READY_TIMEOUT_S", "Deadline for the engine to become ready (weights download included)",
-        _seconds, 3600.0),
-    Var("CF_TINY_MODEL_DIR", "Where the built-in tiny CPU model is generated", _text,
-        str(Path.home() / ".cache" / "carbonforge" / "tiny-chat")),
-    Var("CF_COMPILE_CACHE_DIR", "Where the engine keeps its compile and kernel caches (vLLM, torch Inductor, "
-        "Triton, FlashInfer, CUDA); on a volume, later boots skip compiling", _directory,
-        "~/.cache/carbonforge/compile"),
-    Var("HF_TOKEN", "Hugging Face token for gated models (passed to the engine untouched)", _text),
-    Var("HF_HUB_OFFLINE", "1, on, yes or true (any case) = never contact the Hugging Face hub; other values "
-        "mean online, as in huggingface_hub (passed to the engine untouched)", _hf_flag, False),
-    Var("HUGGINGFACE_HUB_CACHE", "Directory of the Hugging Face hub cache (passed to the engine untouched)",
-        _text),
-    Var("CF_API_KEY", "API key clients must send as `Authorization: Bearer <key>`; unset leaves the API open",
-        _text),
-    Var("CF_API_KEY_FILE", "File holding the API key (e.g. a read-only secret mount); CF_API_KEY wins", _text),
-    Var("CF_NNODES", "Hosts in this serving group (a multi-host recipe); unset or 1: one host", _positive_int),
-    Var("CF_NODE_RANK", "This host's place in the group: 0 is the leader (API server), 1.. are workers", _index),
-    Var("CF_MASTER_ADDR", "Address of the group's leader, reachable from every host", _text),
-    Var("CF_MASTER_PORT", "Port on the leader where the hosts of a group meet (vLLM's --master-port)", _port, 29501),
-    Var("CF_GROUP_PORT", "Port on the leader where the runtimes of a group watch each other, so that the group "
-        "stops as one when a host is gone; it has no authentication: let only the group's hosts reach it",
-        _port, 29499),
-    Var("CF_JOIN_TIMEOUT_S", "How long the hosts of a group wait for each other at start and for a collective "
-        "operation (vLLM's --distributed-timeout-seconds); raise it (e.g. 1800) for large models that hosts "
-        "download and load slowly", _seconds, 300.0),
-    Var("LWS_GROUP_SIZE", "Set by LeaderWorkerSet: hosts in the group (read when CF_NNODES is unset)",
-        _positive_int),
-    Var("LWS_WORKER_INDEX", "Set by LeaderWorkerSet: this pod's index, 0 for the leader (read when CF_NODE_RANK "
-        "is unset)", _index),
-    Var("LWS_LEADER_ADDRESS", "Set by LeaderWorkerSet: the leader pod's address (read when CF_MASTER_ADDR is "
-        "unset)", _text),
-    Var("CF_ENGINE_ENV_PASS", "More environment variables vLLM may see, comma-separated (`NAME*` for a prefix); "
-        "by default it sees only the variable families a serving engine reads", _text),
-)
-
-_BY_NAME = {var.name: var for var in VARIABLES}
-
-#: The declared names; a name outside this list fails type checking wherever a name is passed.
+#: The declared names, for type checking: an undeclared name passed to :meth:`Settings.value`,
+#: :meth:`Settings.is_set` or typed ``VarName`` fails mypy. Python's type system cannot derive a
+#: Literal from the declarations in :class:`Settings`, so the names are listed here as well: mypy
+#: refuses a declaration whose name is missing from this list, and tests/unit/test_settings.py a name
+#: listed here that nothing declares.
 VarName = Literal[
     "CF_CONTEXT_KEY", "CARBONFORGE_LICENSE_KEY", "CF_LICENSE_FILE", "CF_DRY_RUN", "CF_MAX_MODEL_LEN",
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
-    "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "HF_TOKEN", "HF_HUB_OFFLINE",
-    "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_COMPILE_CACHE_DIR", "CF_ENGINE_ENV_PASS",
-    "CF_NNODES", "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_JOIN_TIMEOUT_S",
-    "LWS_GROUP_SIZE",
-    "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS",
+    "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "CF_COMPILE_CACHE_DIR",
+    "HF_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_NNODES",
+    "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
+    "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS", "CF_ENGINE_ENV_PASS",
 ]
+
+T = TypeVar("T")
+
+
+# What an attribute of Settings returns, from the parsed value or the default.
+
+
+def _optional_text(value: Any) -> str | None:
+    return cast("str | None", value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return cast("int | None", value)
+
+
+def _optional_float(value: Any) -> float | None:
+    return cast("float | None", value)
+
+
+def _text_or_none(value: Any) -> str | None:
+    return cast("str | None", value) or None
+
+
+def _words(value: Any) -> list[str]:
+    return list(value or [])
+
+
+def _expanded_path(value: Any) -> Path:
+    return Path(str(value)).expanduser()
+
+
+class Var(Generic[T]):
+    """One environment variable, declared once as an attribute of :class:`Settings`: its name,
+    meaning, parser and default (the table :data:`VARIABLES` and the docs are built from these), and,
+    read on a :class:`Settings`, its typed value (``read`` turns the parsed value or the default into it)."""
+
+    __slots__ = ("default", "departs_from_benchmark", "doc", "name", "parse", "read")
+
+    def __init__(self, name: VarName, doc: str, parse: Callable[[str, str], Any], default: Any = None, *,
+                 read: Callable[[Any], T], departs_from_benchmark: bool = False) -> None:
+        self.name: VarName = name
+        self.doc = doc
+        self.parse = parse
+        self.default = default
+        self.read = read
+        #: True for the CF_* knobs that change the benchmarked configuration.
+        self.departs_from_benchmark = departs_from_benchmark
+
+    def __repr__(self) -> str:
+        return f"Var({self.name!r})"
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any] | None = None) -> Var[T]: ...
+
+    @overload
+    def __get__(self, obj: Settings, owner: type[Any] | None = None) -> T: ...
+
+    def __get__(self, obj: Settings | None, owner: type[Any] | None = None) -> Var[T] | T:
+        if obj is None:
+            return self
+        return self.read(obj.value(self.name))
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Parsed values of :data:`VARIABLES`, read through one typed property per variable;
-    ``raw`` keeps the text for provenance messages."""
+    """Parsed values of the variables declared below (in this order in :data:`VARIABLES` and the docs),
+    each read through its typed attribute; ``raw`` keeps the text for provenance messages."""
 
     values: Mapping[str, Any]
     raw: Mapping[str, str] = field(default_factory=dict)
@@ -209,86 +216,99 @@ class Settings:
     def is_set(self, name: VarName) -> bool:
         return name in self.values
 
-    @property
-    def context_key(self) -> str | None:
-        return cast("str | None", self.value("CF_CONTEXT_KEY"))
+    # One declaration per variable: the attribute is its typed accessor (``settings.port``), the
+    # declaration its row in VARIABLES and in docs/environment.md, in this order.
+    context_key = Var("CF_CONTEXT_KEY",
+                      "Recipe to serve, as <model>:<quant>:<workload>:<hardware>; unset runs the doctor",
+                      _text, read=_optional_text)
+    license_key = Var("CARBONFORGE_LICENSE_KEY", "Licence key text; takes precedence over the licence file",
+                      _text, read=_optional_text)
+    license_file = Var("CF_LICENSE_FILE", "Path of the licence file",
+                       _text, "/etc/carbonforge/license.key", read=_expanded_path)
+    dry_run = Var("CF_DRY_RUN", "Observe-only: the energy controller logs what it would do and changes nothing",
+                  _flag, False, read=bool)
+    max_model_len = Var("CF_MAX_MODEL_LEN", "Override the recipe's context length (--max-model-len)",
+                        _positive_int, read=_optional_int, departs_from_benchmark=True)
+    gpu_memory_utilization = Var("CF_GPU_MEMORY_UTILIZATION",
+                                 "Override the recipe's GPU memory fraction (--gpu-memory-utilization)",
+                                 _fraction, read=_optional_float, departs_from_benchmark=True)
+    vllm_extra_args = Var("CF_VLLM_EXTRA_ARGS", "Extra vLLM flags appended to the recipe's, split like a shell line",
+                          _shell_words, read=_words, departs_from_benchmark=True)
+    recipes_dir = Var("CF_RECIPES_DIR",
+                      "An extra directory of recipe YAML files (they win over shipped ones on the same key)",
+                      _text, read=_optional_text)
+    log_dir = Var("CF_LOG_DIR", "Where vllm.log, the runtime's own runtime.log and default trace files go",
+                  _text, "/var/log/carbonforge", read=_expanded_path)
+    port = Var("CF_PORT", "Port of the OpenAI-compatible API",
+               _port, DEFAULT_API_PORT, read=int)
+    host = Var("CF_HOST", "Address the API binds to",
+               _text, "0.0.0.0", read=str)
+    metrics_port = Var("CF_METRICS_PORT",
+                       "Port of the Prometheus metrics endpoint (with --metrics; same address as the API)",
+                       _port, DEFAULT_METRICS_PORT, read=int)
+    fake_nvml = Var("CF_FAKE_NVML", "Testing only: path of a JSON script that replaces NVML with a simulated GPU",
+                    _text, read=_text_or_none)
+    ready_timeout_s = Var("CF_READY_TIMEOUT_S", "Deadline for the engine to become ready (weights download included)",
+                          _seconds, DEFAULT_READY_TIMEOUT_S, read=float)
+    tiny_model_dir = Var("CF_TINY_MODEL_DIR", "Where the built-in tiny CPU model is generated",
+                         _text, str(Path.home() / ".cache" / "carbonforge" / "tiny-chat"), read=_expanded_path)
+    #: Read as given (``~`` unexpanded: it stands for the engine's HOME).
+    compile_cache_dir = Var("CF_COMPILE_CACHE_DIR",
+                            "Where the engine keeps its compile and kernel caches (vLLM, torch Inductor, Triton, "
+                            "FlashInfer, CUDA); on a volume, later boots skip compiling",
+                            _directory, "~/.cache/carbonforge/compile", read=str)
+    hf_token = Var("HF_TOKEN", "Hugging Face token for gated models (passed to the engine untouched)",
+                   _text, read=_optional_text)
+    hf_hub_offline = Var("HF_HUB_OFFLINE",
+                         "1, on, yes or true (any case) = never contact the Hugging Face hub; other values mean "
+                         "online, as in huggingface_hub (passed to the engine untouched)",
+                         _hf_flag, False, read=bool)
+    hub_cache = Var("HUGGINGFACE_HUB_CACHE",
+                    "Directory of the Hugging Face hub cache (passed to the engine untouched)",
+                    _text, read=_optional_text)
+    api_key = Var("CF_API_KEY",
+                  "API key clients must send as `Authorization: Bearer <key>`; unset leaves the API open",
+                  _text, read=_text_or_none)
+    api_key_file = Var("CF_API_KEY_FILE",
+                       "File holding the API key (e.g. a read-only secret mount); CF_API_KEY wins",
+                       _text, read=_text_or_none)
+    nnodes = Var("CF_NNODES", "Hosts in this serving group (a multi-host recipe); unset or 1: one host",
+                 _positive_int, read=_optional_int)
+    node_rank = Var("CF_NODE_RANK", "This host's place in the group: 0 is the leader (API server), 1.. are workers",
+                    _index, read=_optional_int)
+    master_addr = Var("CF_MASTER_ADDR", "Address of the group's leader, reachable from every host",
+                      _text, read=_optional_text)
+    master_port = Var("CF_MASTER_PORT", "Port on the leader where the hosts of a group meet (vLLM's --master-port)",
+                      _port, DEFAULT_MASTER_PORT, read=int)
+    group_port = Var("CF_GROUP_PORT",
+                     "Port on the leader where the runtimes of a group watch each other, so that the group stops "
+                     "as one when a host is gone; it has no authentication: let only the group's hosts reach it",
+                     _port, DEFAULT_GROUP_PORT, read=int)
+    join_timeout_s = Var("CF_JOIN_TIMEOUT_S",
+                         "How long the hosts of a group wait for each other at start and for a collective operation "
+                         "(vLLM's --distributed-timeout-seconds); raise it (e.g. 1800) for large models that hosts "
+                         "download and load slowly",
+                         _seconds, 300.0, read=float)
+    lws_group_size = Var("LWS_GROUP_SIZE", "Set by LeaderWorkerSet: hosts in the group (read when CF_NNODES is unset)",
+                         _positive_int, read=_optional_int)
+    lws_worker_index = Var("LWS_WORKER_INDEX",
+                           "Set by LeaderWorkerSet: this pod's index, 0 for the leader (read when CF_NODE_RANK is "
+                           "unset)",
+                           _index, read=_optional_int)
+    lws_leader_address = Var("LWS_LEADER_ADDRESS",
+                             "Set by LeaderWorkerSet: the leader pod's address (read when CF_MASTER_ADDR is unset)",
+                             _text, read=_optional_text)
+    engine_env_pass = Var("CF_ENGINE_ENV_PASS",
+                          "More environment variables vLLM may see, comma-separated (`NAME*` for a prefix); by "
+                          "default it sees only the variable families a serving engine reads",
+                          _text, read=_text_or_none)
 
-    @property
-    def license_key(self) -> str | None:
-        return cast("str | None", self.value("CARBONFORGE_LICENSE_KEY"))
 
-    @property
-    def license_file(self) -> Path:
-        return Path(str(self.value("CF_LICENSE_FILE"))).expanduser()
+#: Every declared variable, in declaration order: the table that load_settings, the doctor and the
+#: generated docs read.
+VARIABLES: tuple[Var[Any], ...] = tuple(var for var in vars(Settings).values() if isinstance(var, Var))
 
-    @property
-    def dry_run(self) -> bool:
-        return bool(self.value("CF_DRY_RUN"))
-
-    @property
-    def max_model_len(self) -> int | None:
-        return cast("int | None", self.value("CF_MAX_MODEL_LEN"))
-
-    @property
-    def gpu_memory_utilization(self) -> float | None:
-        return cast("float | None", self.value("CF_GPU_MEMORY_UTILIZATION"))
-
-    @property
-    def vllm_extra_args(self) -> list[str]:
-        return list(self.value("CF_VLLM_EXTRA_ARGS") or [])
-
-    @property
-    def recipes_dir(self) -> str | None:
-        return cast("str | None", self.value("CF_RECIPES_DIR"))
-
-    @property
-    def log_dir(self) -> Path:
-        return Path(str(self.value("CF_LOG_DIR"))).expanduser()
-
-    @property
-    def port(self) -> int:
-        return int(self.value("CF_PORT"))
-
-    @property
-    def host(self) -> str:
-        return str(self.value("CF_HOST"))
-
-    @property
-    def metrics_port(self) -> int:
-        return int(self.value("CF_METRICS_PORT"))
-
-    @property
-    def fake_nvml(self) -> str | None:
-        return cast("str | None", self.value("CF_FAKE_NVML")) or None
-
-    @property
-    def ready_timeout_s(self) -> float:
-        return float(self.value("CF_READY_TIMEOUT_S"))
-
-    @property
-    def api_key(self) -> str | None:
-        return cast("str | None", self.value("CF_API_KEY")) or None
-
-    @property
-    def api_key_file(self) -> str | None:
-        return cast("str | None", self.value("CF_API_KEY_FILE")) or None
-
-    @property
-    def engine_env_pass(self) -> str | None:
-        return cast("str | None", self.value("CF_ENGINE_ENV_PASS")) or None
-
-    @property
-    def tiny_model_dir(self) -> Path:
-        return Path(str(self.value("CF_TINY_MODEL_DIR"))).expanduser()
-
-    @property
-    def compile_cache_dir(self) -> str:
-        """As given (``~`` unexpanded: it stands for the engine's HOME)."""
-        return str(self.value("CF_COMPILE_CACHE_DIR"))
-
-    @property
-    def hf_hub_offline(self) -> bool:
-        return bool(self.value("HF_HUB_OFFLINE"))
+_BY_NAME: dict[str, Var[Any]] = {var.name: var for var in VARIABLES}
 
 
 def load_settings(environ: Mapping[str, str]) -> Settings:
@@ -309,19 +329,8 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
 
 def describe() -> list[tuple[str, str, str]]:
     """(name, default, doc) for the README and `--help` epilogue."""
-    rows = []
+    rows: list[tuple[str, str, str]] = []
     for var in VARIABLES:
         default = "" if var.default is None else str(var.default)
         rows.append((var.name, default, var.doc))
     return rows
-
-
-def _check_names() -> None:
-    """The typed names and the declared variables are the same list (checked on import)."""
-    declared = {var.name for var in VARIABLES}
-    typed = set(VarName.__args__)  # type: ignore[attr-defined]
-    if declared != typed:
-        raise RuntimeError(f"settings: VarName and VARIABLES differ: {sorted(declared ^ typed)}")
-
-
-_check_names()

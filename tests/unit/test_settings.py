@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import get_args
+
 import pytest
 
 from carbonforge_runtime.errors import OverrideError
-from carbonforge_runtime.settings import load_settings
+from carbonforge_runtime.settings import DEFAULT_API_PORT, VARIABLES, Settings, VarName, load_settings
 
 
 @pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0", "-5", "soon"])
@@ -33,3 +36,21 @@ def test_hf_hub_offline_reads_every_value_as_huggingface_hub_does(raw: str, offl
     from huggingface_hub.constants import _is_true
 
     assert _is_true(raw) is offline  # the library the engine uses agrees
+
+
+def test_every_typed_name_is_declared_once() -> None:
+    """mypy refuses a declaration whose name VarName does not list; this catches the converse (a listed
+    name that nothing declares) and a name declared twice."""
+    names = [var.name for var in VARIABLES]
+    assert len(names) == len(set(names))
+    assert set(get_args(VarName)) == set(names)
+
+
+def test_each_attribute_reads_its_declared_variable() -> None:
+    settings = load_settings({"CF_PORT": "8100", "CF_API_KEY": "k", "CF_LOG_DIR": "~/logs", "CF_NNODES": "2"})
+    assert Settings.port.name == "CF_PORT" and settings.port == 8100 and settings.value("CF_PORT") == 8100
+    assert settings.api_key == "k" and settings.nnodes == 2 and settings.is_set("CF_NNODES")
+    assert settings.log_dir == Path("~/logs").expanduser()
+    defaults = load_settings({})
+    assert defaults.port == DEFAULT_API_PORT and defaults.api_key is None and defaults.vllm_extra_args == []
+    assert defaults.compile_cache_dir == "~/.cache/carbonforge/compile"  # not expanded
