@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support import TINY_KEY, RuntimeProcess
+from benchmarks.harness import TINY_KEY, runtime
 
 #: A boot reading the cache entry an earlier one saved (vllm/compilation/decorators.py, backends.py).
 FOUND = re.compile(r"Directly load|Compiling model again due to a load failure from")
@@ -44,22 +44,22 @@ def kernels(cache: Path) -> set[Path]:
 def boot(key: str, cache: Path, log_dir: Path, timeout_s: float, extra_env: dict[str, str]) -> tuple[float, bool, int]:
     """(seconds to ready, whether the engine found a cache entry, kernels it added to the cache)."""
     before = kernels(cache)
-    runtime = RuntimeProcess(["--context-key", key], log_dir, env={"CF_COMPILE_CACHE_DIR": str(cache), **extra_env})
+    engine = runtime(["--context-key", key], log_dir, env={"CF_COMPILE_CACHE_DIR": str(cache), **extra_env})
     started = time.monotonic()
-    runtime.start()
+    engine.start()
     try:
-        runtime.wait_ready(timeout_s=timeout_s)
+        engine.wait_ready(timeout_s=timeout_s)
         elapsed = time.monotonic() - started
-        log = runtime.engine_log()
+        log = engine.engine_log()
         print(f"--- {log_dir.name}: compile lines of vllm.log ---")
         for line in log.splitlines():
             if COMPILE_LINES.search(line):
                 print("  " + line[:240])
-        code = runtime.stop(signal.SIGTERM, timeout_s=120)
+        code = engine.stop(signal.SIGTERM, timeout_s=120)
         if code != 0:
-            raise SystemExit(f"the runtime exited with {code} on SIGTERM:\n{runtime.output()[-2000:]}")
+            raise SystemExit(f"the runtime exited with {code} on SIGTERM:\n{engine.output()[-2000:]}")
     finally:
-        runtime.kill()
+        engine.kill()
     return elapsed, bool(FOUND.search(log)), len(kernels(cache) - before)
 
 

@@ -16,27 +16,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import median, percentile, timed_run
 
 TARGET_S = 2.0
 
 
-def timed(argv: list[str], env: dict[str, str], ok_codes: tuple[int, ...] = (0, 1)) -> float:
-    started = time.perf_counter()
-    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
-    elapsed = time.perf_counter() - started
-    if done.returncode not in ok_codes:
-        raise SystemExit(f"{argv} exited {done.returncode}: {done.stderr.decode()[-2000:]}")
-    return elapsed
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    """The doctor exits 1 when a check fails (no GPU here), which still measures it."""
+    return timed_run(argv, env, ok_codes=(0, 1))
 
 
 def median_p90(values: list[float]) -> tuple[float, float]:
-    ordered = sorted(values)
-    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return median(values), percentile(values, 0.9)
 
 
 def in_process_doctor(runs: int, env: dict[str, str]) -> list[float]:
@@ -84,11 +82,11 @@ def main() -> None:
     med, p90 = median_p90(inproc)
     print(f"{'doctor in-process (no start-up)':34}{med:10.3f}{p90:10.3f}")
 
-    doctor_s = statistics.median(samples["bare launch (the doctor)"])
-    bare_s = statistics.median(samples["bare python -c pass"])
-    cli_s = statistics.median(samples["carbonforge-runtime --version"])
-    with_pf = statistics.median(samples["dry run with pre-flight"])
-    without_pf = statistics.median(samples["dry run, --skip-preflight"])
+    doctor_s = median(samples["bare launch (the doctor)"])
+    bare_s = median(samples["bare python -c pass"])
+    cli_s = median(samples["carbonforge-runtime --version"])
+    with_pf = median(samples["dry run with pre-flight"])
+    without_pf = median(samples["dry run, --skip-preflight"])
     print(f"doctor / bare interpreter: {doctor_s / bare_s:.1f}x; doctor / CLI start-up: {doctor_s / cli_s:.2f}x")
     print(f"pre-flight share of a dry run: {with_pf - without_pf:+.3f} s "
           f"(with / without: {with_pf / without_pf:.2f}x)")

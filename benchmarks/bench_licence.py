@@ -12,7 +12,6 @@ per start of the runtime, only when a premium recipe is served).
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import median  # noqa: E402
 from carbonforge_runtime.runtime.licensing import LicenseInvalid, verify  # noqa: E402
 from tests.support.licensed_runtime import Signer  # noqa: E402
 
@@ -36,7 +36,7 @@ def per_call_s(fn: Callable[[], object], rounds: int, repeats: int = 7) -> float
         for _ in range(rounds):
             fn()
         samples.append((time.perf_counter() - start) / rounds)
-    return statistics.median(samples)
+    return median(samples)
 
 
 def refused(text: str, table: dict[str, bytes], now: float) -> Callable[[], object]:

@@ -30,13 +30,16 @@ import functools
 import json
 import os
 import secrets
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import median, percentile
 from carbonforge_runtime.core.api_contract import (
     API_CONTRACT_VARIABLE,
     CHAT_PATH,
@@ -318,13 +321,12 @@ async def measure(apps: dict[bool, Any], all_cases: list[Case], key: str, rounds
             got = await interleaved(order, case, key, 1, per_round)
             for with_mw, [values] in got.items():
                 case.samples[with_mw] += values
-            case.paired.append(statistics.median(got[True][0]) - statistics.median(got[False][0]))
+            case.paired.append(median(got[True][0]) - median(got[False][0]))
     return problems
 
 
 def median_p90_us(values: list[int]) -> tuple[float, float]:
-    ordered = sorted(values)
-    return statistics.median(ordered) / 1000, ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] / 1000
+    return median(values) / 1000, percentile(values, 0.9) / 1000
 
 
 def pure_parts(all_cases: list[Case], repeats: int) -> None:
@@ -396,12 +398,12 @@ async def parts(all_cases: list[Case], key: str, rounds: int, per_round: int) ->
             for _ in range(20):
                 await one(app, case, key)
         samples = await interleaved(variants, case, key, rounds, per_round, before)
-        base = [statistics.median(values) for values in samples["without the middleware"]]
+        base = [median(values) for values in samples["without the middleware"]]
         print(f"  {case.name}")
         for name, per_round_values in samples.items():
-            medians = [statistics.median(values) for values in per_round_values]
-            added = statistics.median(mine - theirs for mine, theirs in zip(medians, base, strict=True))
-            print(f"    {name:<56}{statistics.median(medians) / 1000:8.1f}{added / 1000:+9.1f}")
+            medians = [median(values) for values in per_round_values]
+            added = median(mine - theirs for mine, theirs in zip(medians, base, strict=True))
+            print(f"    {name:<56}{median(medians) / 1000:8.1f}{added / 1000:+9.1f}")
 
 
 def main() -> int:
@@ -443,7 +445,7 @@ def main() -> int:
         base_p50, base_p90 = median_p90_us(case.samples[False])
         mine_p50, mine_p90 = median_p90_us(case.samples[True])
         added = mine_p50 - base_p50
-        paired = statistics.median(case.paired) / 1000
+        paired = median(case.paired) / 1000
         judged = paired / len(EVENTS) if case.request.get("stream") else paired
         if case.target:
             meets = judged < TARGET_US

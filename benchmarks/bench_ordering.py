@@ -51,12 +51,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.trace_tail import TraceTail  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    EngineProcess,
+    TraceTail,
+    percentile,
+    pin_processes,
+    runtime,
+    tiny_model_dir,
+    tiny_served_name,
+)
 from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan  # noqa: E402
 from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay  # noqa: E402
 from carbonforge_runtime.offline.replay.trace import load_recording, write_jsonl  # noqa: E402
 from carbonforge_runtime.offline.replay.workloads import prefill_heavy, templated, tokenizer_counter, window  # noqa: E402
-from tests.support import TINY_SERVED_NAME, RuntimeProcess, tiny_model_dir  # noqa: E402
 
 AZURE = Path("/work/shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv")
 FAMILY_ORDER = ("fcfs", "ltr-promptlen", "affinity", "ltr", "hybrid", "oracle", "fcfs-again")
@@ -106,26 +113,9 @@ ENGINES: dict[str, Engine] = {
 }
 
 
-#: CPUs the engine's worker computes on (VLLM_CPU_OMP_THREADS_BIND); see :func:`pin_processes`.
+#: CPUs the engine's worker computes on (VLLM_CPU_OMP_THREADS_BIND), set by ``pin_processes`` in
+#: ``harness.py``: the worker gets the first CPU to itself, everything else keeps to the others.
 WORKER_CPUS: str | None = None
-
-
-def pin_processes() -> None:
-    """Give the engine's worker the first CPU to itself and keep everything else off it.
-
-    The worker's step time is what the families are compared on. Left alone, the API server, the
-    engine core and this replay client share the worker's CPU at random moments, and FCFS replayed
-    twice differs by 30% or more; pinned, the worker runs undisturbed. This process and its
-    children (the runtime, vLLM's API server and engine core) keep to the other CPUs.
-    """
-    global WORKER_CPUS
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        print("  one CPU only: processes not pinned (expect noisy figures)", flush=True)
-        return
-    WORKER_CPUS = str(cpus[0])
-    os.sched_setaffinity(0, cpus[1:])
-    print(f"  engine worker on CPU {cpus[0]}; API server, engine core and client on {cpus[1:]}", flush=True)
 
 
 def bench_recipe(family: str, engine: Engine, params: dict[str, Any] | None = None) -> str:
@@ -133,7 +123,7 @@ def bench_recipe(family: str, engine: Engine, params: dict[str, Any] | None = No
     return f"""key: cf-tiny-bench-{family}:bf16:chat:cpu
 plan: free
 description: ordering benchmark ({family}); few running sequences and a small KV cache so that order matters
-model: {{repo: carbonforge/tiny-chat, served_name: {TINY_SERVED_NAME}, builtin: tiny-chat}}
+model: {{repo: carbonforge/tiny-chat, served_name: {tiny_served_name()}, builtin: tiny-chat}}
 vllm:
   dtype: bfloat16
   max_model_len: {engine.max_model_len}
@@ -212,7 +202,7 @@ class Session:
         (recipes / "bench.yaml").write_text(bench_recipe(family, engine, params))
         self.trace = self.dir / "trace.jsonl"
         self.trace.unlink(missing_ok=True)
-        self.runtime = RuntimeProcess(
+        self.runtime: EngineProcess = runtime(
             ["--context-key", f"cf-tiny-bench-{family}:bf16:chat:cpu", "--request-trace", level,
              "--trace-file", str(self.trace)],
             self.dir / "logs", env=env,
@@ -220,14 +210,11 @@ class Session:
         self.tail = TraceTail(self.trace)
 
     def __enter__(self) -> Session:
-        self.runtime.start().wait_ready()
+        self.runtime.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            self.runtime.stop(timeout_s=60)
-        finally:
-            self.runtime.kill()
+        self.runtime.__exit__(*exc)
 
     def activate(self, family: str) -> None:
         """Switch the bench-switch family (takes effect within 0.1 s, before the next run starts)."""
@@ -246,7 +233,7 @@ class Session:
                limit: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         plan = build_plan(load_recording(path), PlanOptions(rate=rate, seed=seed, limit=limit, **PLAN[workload]))
         self.reset_prefix_cache()
-        options = RunOptions(base_url=self.runtime.base_url, model=TINY_SERVED_NAME, concurrency=1024,
+        options = RunOptions(base_url=self.runtime.base_url, model=tiny_served_name(), concurrency=1024,
                              deadline_s=900, send_true_length=True, progress_every_s=1e9)
         result = asyncio.run(run_replay(plan, options))
         summary = result.summary()
@@ -273,14 +260,6 @@ def measure_capacity(session: Session, path: Path, workload: str, seed: int) -> 
 # -- metrics -----------------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def metrics(records: list[dict[str, Any]]) -> dict[str, float]:
     e2e = [r["e2e_latency_s"] for r in records]
     per_token = [r["e2e_latency_s"] / r["output_tokens"] for r in records if r["output_tokens"]]
@@ -289,8 +268,8 @@ def metrics(records: list[dict[str, Any]]) -> dict[str, float]:
     return {
         "n": float(len(records)),
         "mean": statistics.fmean(e2e),
-        "p50": pct(e2e, 50),
-        "p99": pct(e2e, 99),
+        "p50": percentile(e2e, 0.50),
+        "p99": percentile(e2e, 0.99),
         "max": max(e2e),
         "wait": statistics.fmean(r["queue_wait_s"] for r in records),
         "per_tok": statistics.fmean(per_token),
@@ -484,7 +463,7 @@ def ltr_check(out: Path, files: dict[tuple[str, int], Path], seeds: list[int]) -
 
 
 def main() -> int:
-    global LOADS
+    global LOADS, WORKER_CPUS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/work/bench-out/ordering"))
     parser.add_argument("--families", default=",".join(FAMILY_ORDER))
@@ -505,7 +484,7 @@ def main() -> int:
     args = parser.parse_args()
     LOADS = tuple(float(x) for x in args.loads.split(","))
     if not args.no_pin:
-        pin_processes()
+        WORKER_CPUS = pin_processes()
     families = args.families.split(",")
     workloads = [w for w in args.workloads.split(",") if w]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))

@@ -167,25 +167,21 @@ def engine_step_ms() -> float:
     """The tiny CPU engine's decode step, measured: one long request, time per output token."""
     import openai
 
-    from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
+    from benchmarks.harness import TINY_KEY, runtime, tiny_served_name
 
     log_dir = Path("/tmp") / f"bench-scoring-{time.time_ns()}"
-    runtime = RuntimeProcess(["--context-key", TINY_KEY], log_dir)
-    runtime.start()
-    try:
-        runtime.wait_ready()
-        client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", max_retries=0, timeout=300)
-        client.completions.create(model=TINY_SERVED_NAME, prompt=[100, 200, 300], max_tokens=16,
+    served = tiny_served_name()
+    with runtime(["--context-key", TINY_KEY], log_dir) as engine:
+        client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0, timeout=300)
+        client.completions.create(model=served, prompt=[100, 200, 300], max_tokens=16,
                                   extra_body={"ignore_eos": True})
         times = []
         for _ in range(3):
             started = time.perf_counter()
-            client.completions.create(model=TINY_SERVED_NAME, prompt=[100, 200, 300], max_tokens=1000,
+            client.completions.create(model=served, prompt=[100, 200, 300], max_tokens=1000,
                                       extra_body={"ignore_eos": True})
             times.append((time.perf_counter() - started) / 1000)
         return min(times) * 1000
-    finally:
-        runtime.kill()
 
 
 def main() -> int:

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import median, percentile, timed_run
 
 TARGET_S = 0.5
 
 
 def timed(argv: list[str], env: dict[str, str]) -> float:
-    started = time.perf_counter()
-    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
-    elapsed = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"{argv} failed: {done.stderr.decode()[-2000:]}")
-    return elapsed
+    return timed_run(argv, env, timeout_s=60)
 
 
 def main() -> None:
@@ -42,11 +39,11 @@ def main() -> None:
     for _ in range(args.runs):  # alternate so both see the same machine state
         runtime_s.append(timed(runtime, env))
         bare_s.append(timed(bare, env))
-    med_runtime, med_bare = statistics.median(runtime_s), statistics.median(bare_s)
+    med_runtime, med_bare = median(runtime_s), median(bare_s)
     print(f"runs: {args.runs}, key: {args.key}")
     print(f"{'':28}{'median s':>10}{'p90 s':>10}")
-    print(f"{'bare python -c pass':28}{med_bare:10.3f}{sorted(bare_s)[int(0.9 * len(bare_s))]:10.3f}")
-    print(f"{'runtime dry run (to spawn)':28}{med_runtime:10.3f}{sorted(runtime_s)[int(0.9 * len(runtime_s))]:10.3f}")
+    print(f"{'bare python -c pass':28}{med_bare:10.3f}{percentile(bare_s, 0.9):10.3f}")
+    print(f"{'runtime dry run (to spawn)':28}{med_runtime:10.3f}{percentile(runtime_s, 0.9):10.3f}")
     print(f"ratio runtime / bare interpreter: {med_runtime / med_bare:.1f}x")
     verdict = "meets" if med_runtime < TARGET_S else "MISSES"
     print(f"target < {TARGET_S} s: {verdict} ({med_runtime:.3f} s)")

@@ -26,17 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,33 +39,35 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import (  # noqa: E402
+    TINY_KEY,
+    EngineProcess,
+    free_port,
+    jsonl_records,
+    median,
+    other_vllm_servers,
+    percentile,
+    runtime,
+    tiny_model_dir,
+    tiny_served_name,
+    tree_cpu_s,
+)
 from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, TraceConfig  # noqa: E402
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs, resolve  # noqa: E402
 from carbonforge_runtime.runtime.launch_plan import build_recipe_plan  # noqa: E402
-from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model  # noqa: E402
 from carbonforge_runtime.settings import load_settings  # noqa: E402
 
-KEY = "cf-tiny:bf16:chat:cpu"
 WORDS = ("invoice", "payment", "dashboard", "overdue", "receipt", "terms", "billing", "history", "account",
          "refund", "credit", "statement")
 TARGETS = {"standard": 0.99, "full": 0.97}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class Engine:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    port: int
-    log: Path
+    """One configuration under load: its process and what was measured on it."""
+
+    process: EngineProcess
     trace: Path | None = None
-    proc: subprocess.Popen[bytes] | None = None
     latencies_s: list[float] = field(default_factory=list)
     round_throughput: list[float] = field(default_factory=list)  # output tokens/s, one per round
     output_tokens: int = 0
@@ -79,45 +76,20 @@ class Engine:
     requests: int = 0
     failures: int = 0
 
-    def start(self) -> None:
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+    @property
+    def name(self) -> str:
+        return self.process.name
 
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited early; see {self.log}")
-            with contextlib.suppress(OSError), \
-                    urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-            time.sleep(1)
-        raise SystemExit(f"{self.name} not ready within {timeout_s:.0f} s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+    @property
+    def port(self) -> int:
+        return self.process.port
 
 
 def engines(workdir: Path) -> list[Engine]:
-    settings = load_settings({})
-    recipe = resolve(KEY, load_recipes(recipe_dirs(None)))
-    model = str(ensure_tiny_model(settings.tiny_model_dir))
+    recipe = resolve(TINY_KEY, load_recipes(recipe_dirs(None)))
+    model = str(tiny_model_dir())
     base_env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     base_env.pop("CF_CONTEXT_KEY", None)
-    out = []
     port = free_port()
     plan = build_recipe_plan(recipe, load_settings({"CF_PORT": str(port), "CF_HOST": "127.0.0.1"}), [],
                              model_path=model, base_env=base_env)
@@ -125,39 +97,13 @@ def engines(workdir: Path) -> list[Engine]:
     index = argv.index("--scheduler-cls")
     del argv[index:index + 2]  # plain vLLM: the recipe's command without our scheduler
     env = dict(plan.env)  # the plan without its engine contract: vLLM as it comes
-    out.append(Engine("plain vLLM", argv, env, port, workdir / "plain.log"))
+    out = [Engine(EngineProcess("plain vLLM", argv, env, workdir / "plain.log", port))]
     for level in ("standard", "full"):
-        port = free_port()
         trace = workdir / f"{level}.jsonl"
-        env = dict(base_env, CF_PORT=str(port), CF_HOST="127.0.0.1", CF_LOG_DIR=str(workdir / level),
-                   CF_TINY_MODEL_DIR=model)
-        argv = [sys.executable, "-m", "carbonforge_runtime", "--context-key", KEY, "--request-trace", level,
-                "--trace-file", str(trace)]
-        out.append(Engine(f"runtime {level}", argv, env, port, workdir / f"{level}.log", trace=trace))
+        process = runtime(["--context-key", TINY_KEY, "--request-trace", level, "--trace-file", str(trace)],
+                          workdir / level, name=f"runtime {level}")
+        out.append(Engine(process, trace=trace))
     return out
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and every live descendant."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    total, stack = 0.0, [pid]
-    ticks = os.sysconf("SC_CLK_TCK")
-    while stack:
-        current = stack.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-        except (OSError, ValueError, IndexError):
-            pass
-        stack.extend(children.get(current, []))
-    return total
 
 
 def workload(round_no: int, count: int) -> list[tuple[str, int]]:
@@ -215,39 +161,6 @@ async def run_load(engine: Engine, items: list[tuple[str, int]], concurrency: in
         engine.failures += failures
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def other_engines(ours: list[Engine]) -> int:
-    """vLLM API servers on this machine that this run did not start (they disturb it)."""
-    parents: dict[int, int] = {}
-    servers: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes():
-                servers.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    mine = {e.proc.pid for e in ours if e.proc is not None}
-
-    def started_by_us(pid: int) -> bool:
-        while pid > 1:
-            if pid in mine:
-                return True
-            pid = parents.get(pid, 0)
-        return False
-
-    return sum(not started_by_us(pid) for pid in servers)
-
-
 def loop_cost(rounds: int, requests: int, engine_cpu_per_request_s: float | None) -> None:
     """The in-process measurement (see the module docstring)."""
     import torch
@@ -263,8 +176,7 @@ def loop_cost(rounds: int, requests: int, engine_cpu_per_request_s: float | None
 
     from carbonforge_runtime.engine.scheduler import make_scheduler
 
-    settings = load_settings({})
-    model = str(ensure_tiny_model(settings.tiny_model_dir))
+    model = str(tiny_model_dir())
     init_none_hash(sha256)
     hasher = get_request_block_hasher(16, sha256)
     workdir = Path(tempfile.mkdtemp(prefix="cf-bench-loop-"))
@@ -328,23 +240,23 @@ def loop_cost(rounds: int, requests: int, engine_cpu_per_request_s: float | None
     for name, scheduler in variants.items():
         if name != "plain vLLM":
             scheduler.shutdown()  # flush: the writer thread's work is counted above only while it ran
-    base_cpu = percentile(cpu["plain vLLM"], 0.5) / requests
+    base_cpu = median(cpu["plain vLLM"]) / requests
     print(f"\nengine-loop cost, in process: vLLM's scheduler driven with a stand-in model, {requests} requests "
           f"x {rounds} rounds per variant")
     print(f"{'variant':<12}{'loop+writer CPU per request':>30}{'added per request':>20}"
           f"{'share of engine CPU/request':>30}")
     for name in names:
-        per_request = percentile(cpu[name], 0.5) / requests
+        per_request = median(cpu[name]) / requests
         added = per_request - base_cpu
         share = "-" if engine_cpu_per_request_s is None or name == "plain vLLM" else \
             f"{100 * added / engine_cpu_per_request_s:.2f} %"
         print(f"{name:<12}{per_request * 1e6:>27.0f} us{added * 1e6:>17.0f} us{share:>30}")
-    lines = {level: sum(1 for _ in (workdir / f"{level}.jsonl").open()) for level in ("standard", "full")}
+    lines = {level: len(jsonl_records(workdir / f"{level}.jsonl")) for level in ("standard", "full")}
     print(f"records written: {lines} (expected {rounds * requests} each)")
 
 
 def engine_cpu_per_request(engine: Engine) -> float | None:
-    """CPU seconds the whole engine (API server, engine core, worker) spent per request, from /proc."""
+    """CPU seconds the whole engine (API server, engine core, worker) spent per request (psutil)."""
     return engine.cpu_s / engine.requests if engine.requests and engine.cpu_s else None
 
 
@@ -366,32 +278,31 @@ def main() -> int:
     if args.rounds * args.requests < 300:
         parser.error("measure at least 300 requests per configuration (--rounds x --requests)")
 
-    served = "carbonforge/tiny-chat"
+    served = tiny_served_name()
     workdir = Path(tempfile.mkdtemp(prefix="cf-bench-tracing-"))
     all_engines = engines(workdir)
     try:
         for engine in all_engines:  # one at a time: a start-up compiles, which would disturb the others
             print(f"starting {engine.name} ...", flush=True)
-            engine.start()
-            engine.wait_ready(args.ready_timeout_s)
+            engine.process.start().wait_ready(args.ready_timeout_s)
         for engine in all_engines:  # warm-up, not measured
             asyncio.run(run_load(engine, workload(-1, 2 * args.concurrency), args.concurrency, served, False))
         busy_rounds = 0
         for round_no in range(args.rounds):
-            busy_rounds += other_engines(all_engines) > 0
+            busy_rounds += other_vllm_servers(e.process.pid for e in all_engines) > 0
             items = workload(round_no, args.requests)
             shift = round_no % len(all_engines)
             order = all_engines[shift:] + all_engines[:shift]
             for engine in order:
-                assert engine.proc is not None
-                cpu_before = tree_cpu_s(engine.proc.pid)
+                cpu_before = tree_cpu_s(engine.process.pid)
                 asyncio.run(run_load(engine, items, args.concurrency, served, True))
-                engine.cpu_s += tree_cpu_s(engine.proc.pid) - cpu_before
+                engine.cpu_s += tree_cpu_s(engine.process.pid) - cpu_before
             print(f"round {round_no + 1}/{args.rounds}: " + ", ".join(
                 f"{e.name} {e.requests / e.busy_s:.1f} req/s" for e in all_engines), flush=True)
     finally:
         for engine in all_engines:
-            engine.stop()
+            if engine.process.proc is not None:
+                engine.process.__exit__()
 
     plain = all_engines[0]
     rows = []
@@ -404,14 +315,14 @@ def main() -> int:
             "failures": engine.failures,
             "req_per_s": engine.requests / engine.busy_s,
             "output_tok_per_s": throughput,
-            "p50_s": percentile(engine.latencies_s, 0.50),
+            "p50_s": median(engine.latencies_s),
             "p99_s": percentile(engine.latencies_s, 0.99),
-            "throughput_ratio": percentile(paired, 0.5),  # median of per-round paired ratios
+            "throughput_ratio": median(paired),  # median of per-round paired ratios
             "pooled_throughput_ratio": throughput / (plain.output_tokens / plain.busy_s),
             "round_ratios": [round(r, 3) for r in paired],
-            "p50_ratio": percentile(engine.latencies_s, 0.5) / percentile(plain.latencies_s, 0.5),
+            "p50_ratio": median(engine.latencies_s) / median(plain.latencies_s),
             "p99_ratio": percentile(engine.latencies_s, 0.99) / percentile(plain.latencies_s, 0.99),
-            "records": None if engine.trace is None else sum(1 for _ in engine.trace.open()),
+            "records": None if engine.trace is None else len(jsonl_records(engine.trace)),
             "engine_cpu_ms_per_request": 1000 * engine.cpu_s / max(engine.requests, 1),
         })
     print()

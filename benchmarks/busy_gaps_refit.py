@@ -14,6 +14,7 @@ against real (the saved real runs) for the same four figures as the check::
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import itertools
 import json
@@ -50,7 +51,10 @@ def with_busy_gaps(steps: list[dict], requests: list[dict]) -> tuple[list[dict],
 
 
 def main() -> int:
-    work = Path(sys.argv[1] if len(sys.argv) > 1 else "/work/bench-out/predict").resolve()
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("work", nargs="?", type=Path, default=Path("/work/bench-out/predict"),
+                        help="a predict_cpu.py work directory (--work)")
+    work: Path = parser.parse_args().work.resolve()
     refit = work / "busy-gaps"
     refit.mkdir(exist_ok=True)
     steps, added = with_busy_gaps(read_jsonl(work / "steps.jsonl"), read_jsonl(work / "calibrate" / "trace.jsonl"))

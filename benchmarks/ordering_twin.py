@@ -584,7 +584,13 @@ def main() -> int:
 
 
 def write_outputs(json_path: Path, markdown_path: Path, out: dict[str, Any], markdown: str, started: float) -> None:
-    """The result as JSON (rounded, keys sorted) and as Markdown, which is also printed."""
+    """The result as JSON (rounded, keys sorted) and as Markdown, which is also printed; both name the
+    commit and the command that made them."""
+    from benchmarks.harness import command, commit
+
+    made = {"commit": commit(), "command": command()}
+    out = {**out, **made}
+    markdown = f"{markdown.rstrip()}\n\nCommit: `{made['commit']}`; command: `{made['command']}`\n"
     for path, text in ((json_path, json.dumps(clean(out), indent=1, sort_keys=True) + "\n"),
                        (markdown_path, markdown)):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -48,8 +48,8 @@ separately (``--phase calibrate``, later ``--phase real``). ``--phase all`` runs
 
 The engine's worker is pinned to the first CPU and everything else to the others (as in
 ``bench_ordering.py``), and the engine core's spinning main thread runs at nice 19 so that the API
-server and the client beside it are not starved (see :func:`yield_engine_core`); ``--no-pin``
-leaves all of them alone. Run it on an otherwise idle machine.
+server and the client beside it are not starved (``lower_engine_core`` in ``harness.py``);
+``--no-pin`` leaves all of them alone. Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -71,8 +71,20 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.trace_tail import TraceTail  # noqa: E402
-from carbonforge_runtime.core.quantiles import quantile  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    EngineProcess,
+    TraceTail,
+    command,
+    commit,
+    engine_header,
+    jsonl_records,
+    lower_engine_core,
+    percentile,
+    pin_processes,
+    runtime,
+    tiny_model_dir,
+    tiny_served_name,
+)
 from carbonforge_runtime.offline.replay.trace import write_jsonl  # noqa: E402
 
 PHASES = ("traces", "calibrate", "fit", "predict", "real", "engine-side", "report")
@@ -157,7 +169,7 @@ def scaled(records: list[dict[str, Any]], rate: float) -> list[dict[str, Any]]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return jsonl_records(path)
 
 
 # -- the served recipe --------------------------------------------------------------------------------
@@ -176,8 +188,6 @@ def build_model(work: Path, layers: int) -> Path:
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from tests.support import tiny_model_dir
 
     target = work / f"model-{layers}-layers"
     if (target / "config.json").exists():
@@ -203,12 +213,11 @@ def build_model(work: Path, layers: int) -> Path:
 def write_recipes(directory: Path, families: list[str], model_dir: Path | None) -> None:
     """One recipe per family, all the same engine (a copy of cf-tiny with the benchmark's knobs),
     serving ``model_dir`` (the built-in tiny model when None)."""
-    from tests.support import TINY_SERVED_NAME
-
+    served = tiny_served_name()
     directory.mkdir(parents=True, exist_ok=True)
     bind = f', VLLM_CPU_OMP_THREADS_BIND: "{WORKER_CPUS}"' if WORKER_CPUS else ""
-    model = (f"{{repo: {model_dir}, served_name: {TINY_SERVED_NAME}}}" if model_dir is not None else
-             f"{{repo: carbonforge/tiny-chat, served_name: {TINY_SERVED_NAME}, builtin: tiny-chat}}")
+    model = (f"{{repo: {model_dir}, served_name: {served}}}" if model_dir is not None else
+             f"{{repo: carbonforge/tiny-chat, served_name: {served}, builtin: tiny-chat}}")
     for family in families:
         (directory / f"pred-{family}.yaml").write_text(f"""key: {key(family)}
 plan: free
@@ -228,56 +237,6 @@ scheduler: {{family: {family}, params: {json.dumps(PARAMS[family])}}}
 """)
 
 
-def pin_processes() -> None:
-    """The engine's worker gets the first CPU to itself; this process and its children the others."""
-    global WORKER_CPUS
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        log("  one CPU only: processes not pinned (expect noisy figures)")
-        return
-    WORKER_CPUS = str(cpus[0])
-    os.sched_setaffinity(0, cpus[1:])
-    log(f"  engine worker on CPU {cpus[0]}; API server, engine core and client on {cpus[1:]}")
-
-
-def _children() -> dict[int, list[tuple[int, str]]]:
-    """Every process's children, with their command names, from ``/proc``."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:  # ended meanwhile
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(parent, []).append((int(entry), name))
-    return children
-
-
-def yield_engine_core(root: int) -> list[int]:
-    """Lower the priority (nice 19) of the engine core's main thread under process ``root``.
-
-    While a step runs, vLLM's engine core waits for the worker's result by spinning on shared
-    memory (it yields the CPU but stays runnable), so on a machine with one CPU left for it, the
-    API server and the load generator beside it wait up to hundreds of milliseconds to run: the
-    requests reach the engine late and in bunches, which no model of the engine should be asked
-    to predict. On a GPU host the engine core has a core of its own. At nice 19 the spinning gives
-    way at once to the front end and the client, which use a few percent of the CPU; the engine
-    core's other threads (its input and output sockets) keep their priority. The calibration and
-    every real run are served the same way."""
-    children, found, todo = _children(), [], [root]
-    while todo:
-        for pid, name in children.get(todo.pop(), []):
-            todo.append(pid)
-            if name.startswith("VLLM::EngineCor"):
-                found.append(pid)
-    for pid in found:  # on Linux a nice value is per thread: this is the main (spinning) thread
-        os.setpriority(os.PRIO_PROCESS, pid, 19)
-    return found
-
-
 _KV_LINE = re.compile(r"KV cache size: (?P<tokens>[0-9,]+) tokens")
 
 
@@ -286,8 +245,6 @@ class Engine:
     stopped with SIGTERM on exit, its process group killed if that does not end it."""
 
     def __init__(self, work: Path, family: str, name: str, step_log: Path | None = None) -> None:
-        from tests.support import RuntimeProcess
-
         self.dir = work / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.trace = self.dir / "trace.jsonl"
@@ -296,28 +253,17 @@ class Engine:
         if step_log is not None:
             step_log.unlink(missing_ok=True)
             args += ["--step-log", str(step_log)]
-        self.runtime = RuntimeProcess(args, self.dir / "logs", env={"CF_RECIPES_DIR": str(work / "recipes")})
+        self.runtime: EngineProcess = runtime(args, self.dir / "logs", env={"CF_RECIPES_DIR": str(work / "recipes")})
         self.tail = TraceTail(self.trace)
 
     def __enter__(self) -> Engine:
-        try:
-            self.runtime.start().wait_ready(timeout_s=400)
-            if WORKER_CPUS is not None:
-                assert self.runtime.proc is not None
-                if not yield_engine_core(self.runtime.proc.pid):
-                    log("  warning: no engine core process found to lower in priority")
-        except BaseException:
-            self.runtime.kill()
-            raise
+        self.runtime.__enter__()
+        if WORKER_CPUS is not None and not lower_engine_core(self.runtime.pid):
+            log("  warning: no engine core process found to lower in priority")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            self.runtime.stop(timeout_s=60)
-        except AssertionError as err:  # not ended by SIGTERM in time: stop() already killed it
-            log(f"  warning: {str(err).splitlines()[0]}")
-        finally:
-            self.runtime.kill()
+        self.runtime.__exit__(*exc)
 
     def kv_tokens(self) -> int | None:
         """The KV capacity from the engine's own log line (None if not found)."""
@@ -337,10 +283,9 @@ class Engine:
         from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
         from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
         from carbonforge_runtime.offline.replay.trace import load_recording
-        from tests.support import TINY_SERVED_NAME
 
         plan = build_plan(load_recording(path), PlanOptions(rate=rate, limit=limit, seed=0))
-        options = RunOptions(base_url=self.runtime.base_url, model=TINY_SERVED_NAME, concurrency=1024,
+        options = RunOptions(base_url=self.runtime.base_url, model=tiny_served_name(), concurrency=1024,
                              deadline_s=deadline_s, request_timeout_s=deadline_s, progress_every_s=1e9)
         result = asyncio.run(run_replay(plan, options))
         for error in sorted({o.error for o in result.outcomes if o.error}):
@@ -366,7 +311,7 @@ def metrics(records: list[dict[str, Any]]) -> dict[str, float]:
     return {
         "n": float(len(done)),
         "mean_e2e": statistics.fmean(e2e),
-        "p99_e2e": float(quantile(e2e, 0.99) or float("nan")),
+        "p99_e2e": percentile(e2e, 0.99),
         "mean_ttft": statistics.fmean(ttft) if ttft else float("nan"),
         "throughput": len(done) / span if span > 0 else float("nan"),
     }
@@ -431,13 +376,8 @@ def phase_fit(work: Path, args: argparse.Namespace) -> None:
     log(fit_text)
     if fitted.stderr.strip():
         log(fitted.stderr.strip())
-    kv_log = None
-    with step_log.open() as handle:
-        for line in handle:
-            record = json.loads(line)
-            if record.get("kind") == "engine":
-                kv_log = record.get("kv_cache_tokens")
-                break
+    header = engine_header(step_log)
+    kv_log = None if header is None else header.get("kv_cache_tokens")
     kv_engine = run.get("kv_tokens_engine_log")
     if kv_engine is not None and kv_log is not None and kv_engine != kv_log:
         log(f"fit: warning: the step log says {kv_log} KV tokens, the engine log {kv_engine}")
@@ -493,7 +433,7 @@ def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> Non
             engine.replay(work / "trace-b.jsonl", rate=1e6, limit=args.warmup)  # compile shapes, not measured
             locals_[run] = calibrate_locally(work, engine, steps, run, family)
             local_path.write_text(json.dumps(locals_, indent=1))
-            warm_steps = sum(1 for _ in steps.open()) if steps.exists() else 0
+            warm_steps = len(read_jsonl(steps)) if steps.exists() else 0
             started = time.monotonic()
             records = engine.replay(work / "trace-b.jsonl", sent=work / f"real-{run}" / "sent.jsonl")
         write_jsonl(work / f"real-{run}" / "records.jsonl", sorted(records, key=lambda r: r["t_arrival"]))
@@ -541,11 +481,9 @@ def calibrate_locally(work: Path, engine: Engine, steps: Path, run: str, family:
     records = engine.replay(work / "trace-a.jsonl", rate=float(calibration["rate_a"]))
     until = max(r["t_completion"] for r in records)
     wait_for_steps(steps, until)
-    lines = steps.read_text().splitlines()
-    window = [line for line in lines if line.strip() and (
-        (record := json.loads(line)).get("kind") == "engine" or started <= record.get("t", 0.0) <= until)]
+    window = [r for r in read_jsonl(steps) if r.get("kind") == "engine" or started <= r.get("t", 0.0) <= until]
     local_log = work / f"real-{run}" / "steps-a.jsonl"
-    local_log.write_text("\n".join(window) + "\n")
+    write_jsonl(local_log, window)
     model = work / f"model-local-{run}.yaml"
     fitted = cli(["sim-calibrate", str(local_log), "-o", str(model), "--gpu", "cpu"], work)
     fit = " ".join(" ".join(line.split()) for line in fitted.stdout.splitlines() if line.startswith("R2"))
@@ -603,7 +541,7 @@ def front_end_delay(work: Path, run: str) -> dict[str, float] | None:
     if not delays:
         return None
     return {"requests": float(len(delays)), "mean_s": statistics.fmean(delays),
-            "p50_s": float(quantile(delays, 0.5) or 0.0), "p99_s": float(quantile(delays, 0.99) or 0.0)}
+            "p50_s": percentile(delays, 0.5), "p99_s": percentile(delays, 0.99)}
 
 
 def yaml_coefficients(path: Path) -> dict[str, float]:
@@ -777,6 +715,7 @@ def report(work: Path, families: list[str]) -> tuple[str, dict[str, Any]]:
 
 
 def main() -> int:
+    global WORKER_CPUS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/work/bench-out/predict"))
     parser.add_argument("--phase", default="all", help=f"all, or a comma list of {', '.join(PHASES)}")
@@ -805,7 +744,7 @@ def main() -> int:
     work: Path = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     if not args.no_pin and {"calibrate", "real"} & set(phases):
-        pin_processes()
+        WORKER_CPUS = pin_processes()
     write_recipes(work / "recipes", families, build_model(work, args.layers) if args.layers else None)
     started = time.monotonic()
     for phase in phases:
@@ -824,10 +763,12 @@ def main() -> int:
             phase_engine_side(work, args, families)
         else:
             text, figures = report(work, families)
+            made = {"commit": commit(), "command": command()}
+            text += f"\n\nCommit: `{made['commit']}`; command: `{made['command']}`"
             log(text)
             (work / "report.md").write_text(text + "\n")
             if args.json is not None:
-                args.json.write_text(json.dumps(figures, indent=1, default=str))
+                args.json.write_text(json.dumps({**figures, **made}, indent=1, default=str))
                 log(f"figures: {args.json}")
     log(f"\ntotal {time.monotonic() - started:.0f} s; files in {work}")
     return 0
