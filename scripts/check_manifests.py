@@ -40,6 +40,11 @@ import jsonschema
 import yaml
 from referencing import Registry, Resource
 
+from carbonforge_runtime.recipes.model import DEFAULT_DRAIN_TIMEOUT_S
+from carbonforge_runtime.runtime.launch_plan import DEFAULT_OVERRIDE_DRAIN_S
+from carbonforge_runtime.runtime.supervisor import SHUTDOWN_GRACE_S, stop_timeout_s
+from carbonforge_runtime.settings import load_settings
+
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY_DIR = REPO / "deploy"
 SCHEMAS_DIR = DEPLOY_DIR / "schemas"
@@ -49,13 +54,12 @@ RECIPES_DIR = REPO / "recipes"
 KUBERNETES_VERSION = "1.37.0"
 KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 
+#: The runtime's settings when a pod's environment sets none: their defaults.
+RUNTIME_DEFAULTS = load_settings({})
 #: CF_READY_TIMEOUT_S's default: the startup probe must allow at least this long.
-READY_TIMEOUT_S = 3600
-#: SHUTDOWN_GRACE_S in carbonforge_runtime/runtime/supervisor.py: how long the runtime waits after a drain.
-SHUTDOWN_GRACE_S = 15
+READY_TIMEOUT_S = RUNTIME_DEFAULTS.ready_timeout_s
 #: The floor of terminationGracePeriodSeconds, whatever the recipes' drain times.
 MIN_GRACE_S = 60
-DEFAULT_DRAIN_S = 30  # drain_timeout_s of a recipe that does not set it
 
 #: Variables whose value is a secret: they come from a Secret, never from a literal value or the args.
 SECRET_VARIABLES = ("CF_API_KEY", "CARBONFORGE_LICENSE_KEY", "HF_TOKEN")
@@ -69,7 +73,9 @@ PROBES = ("readinessProbe", "livenessProbe", "startupProbe")
 GPU = "nvidia.com/gpu"
 #: The runtime's defaults for the ports a pod's environment may move: CF_METRICS_PORT (the --metrics
 #: page), CF_GROUP_PORT (where a group's runtimes watch each other) and CF_MASTER_PORT (where it meets).
-PORT_DEFAULTS = {"CF_METRICS_PORT": 9105, "CF_GROUP_PORT": 29499, "CF_MASTER_PORT": 29501}
+PORT_DEFAULTS: dict[str, int] = {"CF_METRICS_PORT": RUNTIME_DEFAULTS.metrics_port,
+                                 "CF_GROUP_PORT": RUNTIME_DEFAULTS.group_port,
+                                 "CF_MASTER_PORT": RUNTIME_DEFAULTS.master_port}
 
 _VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -338,13 +344,22 @@ def shipped_recipes(recipes_dir: Path = RECIPES_DIR) -> dict[str, dict[str, Any]
     return found
 
 
+def longest_drain_s() -> float:
+    """The longest drain a pod may run: a shipped recipe's drain_timeout_s (the recipes' default when one
+    sets none) or an override launch's default drain."""
+    drains = [DEFAULT_OVERRIDE_DRAIN_S]
+    for recipe in shipped_recipes().values():
+        drain = recipe.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)
+        if isinstance(drain, int | float):
+            drains.append(float(drain))
+    return max(drains)
+
+
 def required_grace_s() -> int:
-    """terminationGracePeriodSeconds that lets every shipped recipe drain: its drain time plus the
-    runtime's stop grace, and never under MIN_GRACE_S."""
-    drains = [DEFAULT_DRAIN_S]
-    drains += [recipe["drain_timeout_s"] for recipe in shipped_recipes().values()
-               if isinstance(recipe.get("drain_timeout_s"), int | float)]
-    return max(MIN_GRACE_S, int(max(drains)) + SHUTDOWN_GRACE_S)
+    """terminationGracePeriodSeconds that lets every shipped recipe drain: the runtime's stop timeout
+    (``stop_timeout_s``, the one the dry run and ``fetch`` print) for the longest drain, and never
+    under MIN_GRACE_S."""
+    return max(MIN_GRACE_S, stop_timeout_s(longest_drain_s()))
 
 
 def _gpus(container: dict[str, Any]) -> Any:
@@ -458,8 +473,9 @@ def _pod_problems(pod: Pod) -> Iterator[tuple[list[Any], str]]:
     if not isinstance(grace, int) or grace < need:
         shown = "unset (30 s)" if grace is None else f"{grace} s"
         yield [*pod.path, "terminationGracePeriodSeconds"], (
-            f"{shown}; needs at least {need} s so that SIGTERM lets vLLM drain in-flight requests "
-            f"(the longest drain_timeout_s of the shipped recipes plus {SHUTDOWN_GRACE_S} s, {MIN_GRACE_S} s at least)")
+            f"{shown}; needs at least {need} s so that SIGTERM lets vLLM drain in-flight requests: the runtime's "
+            f"stop timeout for the longest drain_timeout_s of the shipped recipes ({longest_drain_s():g} s, then "
+            f"{SHUTDOWN_GRACE_S:g} s to stop the engine and the runtime's own exit), {MIN_GRACE_S} s at least")
     if (pod.spec.get("securityContext") or {}).get("runAsNonRoot") is not True:
         yield [*pod.path, "securityContext", "runAsNonRoot"], "must be true (the image runs as uid 10001)"
     for where, container in _containers(pod.spec):

@@ -32,7 +32,7 @@ from carbonforge_runtime.runtime.hf_cache import (
 from carbonforge_runtime.runtime.launch_plan import DEFAULT_OVERRIDE_DRAIN_S
 from carbonforge_runtime.runtime.privacy import hub_offline_choice, is_offline
 from carbonforge_runtime.runtime.supervisor import stop_timeout_s
-from carbonforge_runtime.settings import Settings
+from carbonforge_runtime.settings import DEFAULT_API_PORT, Settings
 
 #: The image the README builds (``docker build -t carbonforge-runtime .``).
 IMAGE = "carbonforge-runtime"
@@ -128,7 +128,7 @@ def docker_run_line(target: FetchTarget, cache_dir: Path, source: str) -> str:
     if recipe is not None and not recipe.key.hardware.is_cpu and recipe.key.hardware.count > 1:
         args += ["--shm-size", "16g"]
     drain_s = recipe.drain_timeout_s if recipe is not None else DEFAULT_OVERRIDE_DRAIN_S
-    args += ["-p", "8000:8000", "--stop-timeout", str(stop_timeout_s(drain_s))]
+    args += ["-p", f"{DEFAULT_API_PORT}:{DEFAULT_API_PORT}", "--stop-timeout", str(stop_timeout_s(drain_s))]
     if recipe is not None:
         args += ["-e", f"CF_CONTEXT_KEY={recipe.key_text}"]
     args += ["-e", "HF_HUB_OFFLINE=1"]

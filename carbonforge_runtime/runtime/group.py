@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes import Recipe
 from carbonforge_runtime.recipes.keys import HardwareSpec
-from carbonforge_runtime.settings import Settings, VarName
+from carbonforge_runtime.settings import DEFAULT_GROUP_PORT, Settings, VarName
 
 #: What a worker runs: vLLM's ``serve`` subcommand (the only entry point that runs ``--headless``)
 #: through the engine package's entry, which works on the CPU build too (``engine/headless.py``).
@@ -56,7 +56,7 @@ class Group:
     #: Where each value came from, for the dry run and the doctor.
     sources: tuple[str, ...] = ()
     #: Port on the leader where the runtimes watch each other (:mod:`.group_watch`).
-    watch_port: int = 29499
+    watch_port: int = DEFAULT_GROUP_PORT
 
     @property
     def leader(self) -> bool:

@@ -558,10 +558,25 @@ def test_the_inference_pool(rendered: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def test_the_grace_period_rule_follows_the_recipes_and_the_runtime() -> None:
-    from carbonforge_runtime.runtime.supervisor import SHUTDOWN_GRACE_S
+    from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
+    from carbonforge_runtime.runtime.supervisor import SHUTDOWN_GRACE_S, stop_timeout_s
 
     assert cm.SHUTDOWN_GRACE_S == SHUTDOWN_GRACE_S
     assert cm.required_grace_s() >= 60
+    # The runtime's own stop timeout (what the dry run and `fetch` print) for the longest drain, read
+    # here through the package's recipe loader.
+    longest = max(recipe.drain_timeout_s for recipe in load_recipes([shipped_recipes_dir()]).values())
+    assert cm.longest_drain_s() == longest
+    assert cm.required_grace_s() == max(60, stop_timeout_s(longest))
+
+
+def test_a_grace_period_below_the_stop_timeout_fails(schemas: Any, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The drain plus the stop grace is not enough: the runtime's own exit comes after it."""
+    docs = copy.deepcopy(rendered["single-host"])
+    _one(docs, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = (
+        int(cm.longest_drain_s() + cm.SHUTDOWN_GRACE_S))
+    problems = _problems(schemas, "single-host", docs)
+    assert any(f"needs at least {cm.required_grace_s()} s" in p for p in problems), problems
 
 
 def test_the_vendored_crds_are_recorded() -> None:
