@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes import Recipe
 from carbonforge_runtime.recipes.keys import HardwareSpec
+from carbonforge_runtime.runtime.vllm_args import read
 from carbonforge_runtime.settings import DEFAULT_GROUP_PORT, Settings, VarName
 
 #: What a worker runs: vLLM's ``serve`` subcommand (the only entry point that runs ``--headless``)
@@ -25,7 +26,7 @@ from carbonforge_runtime.settings import DEFAULT_GROUP_PORT, Settings, VarName
 WORKER_MODULE = "carbonforge_runtime.engine.headless"
 HEADLESS_FLAG = "--headless"
 #: The flags that place a host in a group: the runtime writes them, so a command line must not.
-GROUP_FLAGS = ("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", HEADLESS_FLAG,
+GROUP_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", HEADLESS_FLAG,
                "--distributed-timeout-seconds")
 #: The variables that place a host in a group (the doctor reports the place when any is set).
 GROUP_VARIABLES: tuple[VarName, ...] = ("CF_NNODES", "CF_NODE_RANK", "CF_MASTER_ADDR", "LWS_GROUP_SIZE",
@@ -167,7 +168,7 @@ def _gpu_name(spec: HardwareSpec) -> str:
 
 def check_no_group_flags(args: Sequence[str]) -> None:
     """The runtime places the host; the same flags among the vLLM arguments would contradict it."""
-    given = sorted({arg.split("=", 1)[0] for arg in args if arg.split("=", 1)[0] in GROUP_FLAGS})
+    given = sorted({o.written.split("=", 1)[0] for o in read(args).occurrences if o.flag in GROUP_FLAGS})
     if given:
         raise UsageError(
             f"{', '.join(given)} among the vLLM arguments: the runtime places this host in its group itself",
@@ -184,20 +185,8 @@ def place_command(argv: Sequence[str], engine_module: str, group: Group) -> list
     prefix, args = list(argv[:at]), list(argv[at + 1:])
     if group.leader:
         return [*prefix, engine_module, *args, *group.vllm_flags()]
-    kept: list[str] = []
-    model: list[str] = []
-    drop_next = False
-    for at, arg in enumerate(args):
-        if drop_next:
-            drop_next = False
-            continue
-        name, inline, value = arg.partition("=")
-        if name in API_ONLY_FLAGS:
-            drop_next = not inline
-            continue
-        if name == "--model" and not model:  # `vllm serve` takes the model as its first argument
-            model = [value] if inline else args[at + 1:at + 2]
-            drop_next = not inline
-            continue
-        kept.append(arg)
+    given = read(args)
+    models = given.all("--model")
+    model = list(models[0].values[:1]) if models else []  # `vllm serve` takes the model as its first argument
+    kept = given.without([*API_ONLY_FLAGS, "--model"])
     return [*prefix, WORKER_MODULE, *model, *kept, *group.vllm_flags()]

@@ -13,6 +13,7 @@ from carbonforge_runtime.core.redaction import redact_args, secrets_to_env
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes.model import DEFAULT_DRAIN_TIMEOUT_S, VLLM_KNOBS, ApiSpec, Recipe, departures_from
 from carbonforge_runtime.runtime.group import WORKER_MODULE, Group
+from carbonforge_runtime.runtime.vllm_args import VllmArgs, flag_name, read
 from carbonforge_runtime.settings import Settings, VarName
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
@@ -77,85 +78,35 @@ class LaunchPlan:
         return env
 
 
-def flag_name(knob: str) -> str:
-    return "--" + knob.replace("_", "-")
-
-
 def knob_args(name: str, value: Any) -> list[str]:
     if isinstance(value, bool):
         return [flag_name(name)] if value else ["--no-" + name.replace("_", "-")]
     return [flag_name(name), str(value)]
 
 
-def flags_in(args: Sequence[str]) -> dict[str, str | None]:
-    """Map ``--flag`` -> its value (last occurrence wins, as with argparse) for knob detection."""
-    found: dict[str, str | None] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--"):
-            if "=" in arg:
-                name, value = arg.split("=", 1)
-                found[name] = value
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                found[arg] = args[i + 1]
-                i += 1
-            else:
-                found[arg] = None
-        i += 1
-    return found
-
-
-def flag_values(args: Sequence[str], flag: str) -> list[str] | None:
-    """The values of the last ``flag`` among ``args``, as vLLM's parser reads it (``_`` and ``-`` are the
-    same in a flag name; ``--flag=v`` or ``--flag v1 v2 ...``); ``None`` when the flag is absent."""
-    found: list[str] | None = None
-    i = 0
-    while i < len(args):
-        name, sep, inline = args[i].partition("=")
-        i += 1
-        if not name.startswith("--") or name.replace("_", "-") != flag:
-            continue
-        if sep:
-            found = [inline]
-            continue
-        found = []
-        while i < len(args) and not args[i].startswith("-"):
-            found.append(args[i])
-            i += 1
-    return found
-
-
 def data_parallel_size(args: Sequence[str]) -> int:
-    """The data-parallel size ``args`` give vLLM (``--data-parallel-size N``, ``-dp N``, with ``=`` or
-    not; the last one wins, as in vLLM's parser); 1 when absent or not a number."""
-    size = "1"
-    for i, arg in enumerate(args):
-        name, sep, inline = arg.partition("=")
-        if name.replace("_", "-") not in ("--data-parallel-size", "-dp"):
-            continue
-        if sep:
-            size = inline
-        elif i + 1 < len(args):
-            size = args[i + 1]
+    """The data-parallel size ``args`` give vLLM (any spelling of ``--data-parallel-size``, ``-dp``);
+    1 when absent or not a positive number."""
+    size = read(args).value("--data-parallel-size") or "1"
     return int(size) if size.isdigit() and int(size) > 0 else 1
 
 
 def effective_endpoint(args: Sequence[str], served: str, host: str, port: int) -> tuple[str, str, int]:
     """(served model name, host, port) vLLM will use once ``args`` (appended last, so they win) are
     applied over the given defaults. The first of several served names is the one responses carry."""
-    names = flag_values(args, "--served-model-name")
+    given = read(args)
+    names = given.values("--served-model-name")
     if names is not None:
         if not names or not names[0].strip():
             raise UsageError("--served-model-name is given without a name",
                              "write --served-model-name NAME, or leave the flag out")
         served = names[0]
-    hosts = flag_values(args, "--host")
+    hosts = given.values("--host")
     if hosts is not None:
         if len(hosts) != 1 or not hosts[0].strip():
             raise UsageError("--host takes exactly one address", "write --host ADDRESS (e.g. --host 0.0.0.0)")
         host = hosts[0]
-    ports = flag_values(args, "--port")
+    ports = given.values("--port")
     if ports is not None:
         text = ports[0] if len(ports) == 1 else " ".join(ports)
         if len(ports) != 1 or not text.isdigit() or not 0 < int(text) < 65536:
@@ -164,14 +115,19 @@ def effective_endpoint(args: Sequence[str], served: str, host: str, port: int) -
     return served, host, port
 
 
-def _knob_from_flag(flag: str) -> tuple[str, bool | None] | None:
-    """``--max-num-seqs`` -> ('max_num_seqs', None); ``--no-enable-prefix-caching`` -> (..., False)."""
-    name = flag[2:].replace("-", "_")
-    if name in VLLM_KNOBS:
-        return name, (True if VLLM_KNOBS[name] is bool else None)
-    if name.startswith("no_") and name[3:] in VLLM_KNOBS and VLLM_KNOBS[name[3:]] is bool:
-        return name[3:], False
-    return None
+def _knobs_given(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """(recipe knob, value) for each knob ``args`` set, in order (``--no-enable-prefix-caching`` gives
+    ('enable_prefix_caching', False))."""
+    found: list[tuple[str, Any]] = []
+    for occurrence in read(args).occurrences:
+        name = occurrence.flag[2:].replace("-", "_")
+        if occurrence.field is not None or name not in VLLM_KNOBS:
+            continue
+        if VLLM_KNOBS[name] is bool:
+            found.append((name, occurrence.kind != "off"))
+        else:
+            found.append((name, occurrence.values[0] if occurrence.values else None))
+    return found
 
 
 def engine_prefix() -> list[str]:
@@ -191,9 +147,9 @@ SCHEDULER_FLAG = "--scheduler-cls"
 
 
 def user_scheduler_cls(args: Sequence[str]) -> str | None:
-    """The ``--scheduler-cls`` the user passed among ``args`` (it replaces ours), if any."""
-    given = flags_in(args)
-    return (given.get(SCHEDULER_FLAG) or "?") if SCHEDULER_FLAG in given else None
+    """The ``--scheduler-cls`` the user passed among ``args`` in any spelling (it replaces ours), if any."""
+    given = read(args)
+    return (given.value(SCHEDULER_FLAG) or "?") if given.given(SCHEDULER_FLAG) else None
 
 
 def scheduler_wiring(
@@ -218,18 +174,18 @@ def api_wiring(spec: ApiSpec | None, user_args: Sequence[str]) -> tuple[list[str
     """(vLLM flags, API contract): the request-contract middleware always; the recipe's parsers
     unless the user's flags name others (then the contract follows the user's flags)."""
     args = ["--middleware", MIDDLEWARE]
-    given = flags_in(user_args)
+    given = read(user_args)
     reasoning = spec.reasoning_parser if spec else None
     tools = spec.tool_call_parser if spec else None
-    if reasoning and REASONING_FLAG not in given:
+    if reasoning and not given.given(REASONING_FLAG):
         args += [REASONING_FLAG, reasoning]
-    if tools and TOOL_PARSER_FLAG not in given:
+    if tools and not given.given(TOOL_PARSER_FLAG):
         args += [TOOL_PARSER_FLAG, tools]
-        if AUTO_TOOL_FLAG not in given:
+        if not given.given(AUTO_TOOL_FLAG):
             args.append(AUTO_TOOL_FLAG)
-    budget = dict(spec.thinking_budget) if spec and REASONING_FLAG not in given else {}
-    contract = ApiContract(reasoning=bool(reasoning or given.get(REASONING_FLAG)),
-                           tools=bool(tools or given.get(TOOL_PARSER_FLAG)), thinking_budget=budget)
+    budget = dict(spec.thinking_budget) if spec and not given.given(REASONING_FLAG) else {}
+    contract = ApiContract(reasoning=bool(reasoning or given.value(REASONING_FLAG)),
+                           tools=bool(tools or given.value(TOOL_PARSER_FLAG)), thinking_budget=budget)
     return args, contract
 
 
@@ -270,12 +226,8 @@ def build_recipe_plan(
         departures.append(f"extra vLLM flags depart from the benchmark: adds {' '.join(redact_args(extra_args))}")
     # Appended flags win in vLLM's parser; record that as the knob's provenance.
     for source, args in ((SOURCE_ENV_EXTRA, env_extra), (SOURCE_EXTRA, list(extra_args))):
-        for flag, value in flags_in(args).items():
-            parsed = _knob_from_flag(flag)
-            if parsed is None:
-                continue
-            name, boolean = parsed
-            knobs[name] = Knob(name, boolean if boolean is not None else value, source)
+        for name, value in _knobs_given(args):
+            knobs[name] = Knob(name, value, source)
 
     host = settings.host
     port = settings.port
@@ -295,7 +247,12 @@ def build_recipe_plan(
         if name not in recipe.vllm and name in knobs and knobs[name].source in KNOB_OVERRIDES:
             argv += knob_args(name, knobs[name].value)
     argv += list(recipe.extra_args)
-    argv += ["--shutdown-timeout", _seconds_text(recipe.drain_timeout_s)]
+    # The drain is the recipe's unless the extra flags set it (vLLM keeps the last): the runtime
+    # then adds none and enforces theirs.
+    user_args = [*recipe.extra_args, *env_extra, *extra_args]
+    drain = drain_seconds(read(user_args), recipe.drain_timeout_s)
+    if not read(user_args).given(DRAIN_FLAG):
+        argv += [DRAIN_FLAG, _seconds_text(drain)]
     sched_args, contract, sched_notes = scheduler_wiring(
         [*recipe.extra_args, *env_extra, *extra_args], recipe.scheduler.family, recipe.scheduler.params, trace
     )
@@ -316,7 +273,7 @@ def build_recipe_plan(
         served_model_name=served_name,
         host=str(host),
         port=int(port),
-        drain_timeout_s=recipe.drain_timeout_s,
+        drain_timeout_s=drain,
         knobs=sorted(knobs.values(), key=lambda k: k.name),
         extra_args=extras,
         argv=argv,
@@ -332,8 +289,21 @@ def _seconds_text(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-#: The drain of an override launch that gives no --shutdown-timeout: a recipe's default.
 DEFAULT_OVERRIDE_DRAIN_S = DEFAULT_DRAIN_TIMEOUT_S
+#: vLLM's drain: how long its API server lets requests in flight finish after SIGTERM.
+DRAIN_FLAG = "--shutdown-timeout"
+
+
+def drain_seconds(args: VllmArgs, default: float) -> float:
+    """The drain vLLM runs with: the last ``--shutdown-timeout`` among ``args`` (any spelling), else
+    ``default``. vLLM takes whole seconds; anything else is refused here, before launch."""
+    if not args.given(DRAIN_FLAG):
+        return default
+    text = (args.value(DRAIN_FLAG) or "").strip()
+    if not text.lstrip("-").isdigit() or int(text) < 0:
+        raise UsageError(f"{DRAIN_FLAG} {text!r} is not a whole number of seconds",
+                         f"write {DRAIN_FLAG} N with N the seconds vLLM lets requests in flight finish (e.g. 30)")
+    return float(int(text))
 
 
 def build_override_plan(
@@ -350,23 +320,19 @@ def build_override_plan(
         # `vllm serve MODEL ...` takes the model positionally; the API server module wants --model.
         args = ["--model", args[0], *args[1:]]
     argv = [*engine_prefix(), *args]
-    given = flags_in(args)
+    given = read(args)
     notes: list[str] = list(secret_notes)
     served, host, port = effective_endpoint(args, model, str(settings.host), settings.port)
-    if flag_values(args, "--served-model-name") is None:
+    if not given.given("--served-model-name"):
         argv += ["--served-model-name", model]
         notes.append(f"no --served-model-name given: serving as {model!r}")
-    if flag_values(args, "--port") is None:
+    if not given.given("--port"):
         argv += ["--port", str(port)]
-    if flag_values(args, "--host") is None:
+    if not given.given("--host"):
         argv += ["--host", str(host)]
-    drain_text = given.get("--shutdown-timeout")
-    try:
-        drain = float(drain_text) if drain_text else DEFAULT_OVERRIDE_DRAIN_S
-    except ValueError:
-        drain = DEFAULT_OVERRIDE_DRAIN_S
-    if drain_text is None:
-        argv += ["--shutdown-timeout", _seconds_text(drain)]
+    drain = drain_seconds(given, DEFAULT_OVERRIDE_DRAIN_S)
+    if not given.given(DRAIN_FLAG):
+        argv += [DRAIN_FLAG, _seconds_text(drain)]
     sched_args, contract, sched_notes = scheduler_wiring(args, "fcfs", {}, trace)
     argv += sched_args
     notes += sched_notes
@@ -383,7 +349,7 @@ def build_override_plan(
         served_model_name=served,
         host=str(host),
         port=port,
-        drain_timeout_s=max(drain, 1.0),
+        drain_timeout_s=drain,
         knobs=[],
         extra_args=[Knob(" ".join(redact_args(args)), redact_args(args), SOURCE_USER)] if args else [],
         argv=argv,

@@ -32,6 +32,7 @@ from typing import Any
 
 from carbonforge_runtime import files
 from carbonforge_runtime.errors import LicenseError
+from carbonforge_runtime.runtime.vllm_args import normalise
 
 CANNOT_GATE = "could not determine which model to gate"
 REMEDY_MODEL = ("put the model as the first argument after -- (carbonforge-runtime -- MODEL ...) "
@@ -41,7 +42,6 @@ CONFIG_FLAG = "--config"
 #: The most of a --config file the runtime reads to find its model.
 MAX_CONFIG_BYTES = 1024 * 1024
 
-_FLAG_NAME = re.compile(r"(?<=--)[^.]*")
 
 
 @dataclass(frozen=True)
@@ -91,16 +91,6 @@ def _config_args(path: str, read: Callable[[str], Any]) -> list[str]:
             continue
         out += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return out
-
-
-def _normalise_flag(arg: str) -> str:
-    """vLLM's spelling fix-up: ``_`` -> ``-`` in the flag name (up to the first ``.``)."""
-    if not arg.startswith("--"):
-        return arg
-    if "=" in arg:
-        key, value = arg.split("=", 1)
-        return _FLAG_NAME.sub(lambda m: m.group(0).replace("_", "-"), key, count=1) + "=" + value
-    return _FLAG_NAME.sub(lambda m: m.group(0).replace("_", "-"), arg, count=1)
 
 
 def _drop_dotted(args: list[str]) -> list[str]:
@@ -164,13 +154,13 @@ def model_choices(args: Sequence[str], read: Callable[[str], Any] = read_config_
         config = _config_args(path, read)
         for arg in config:
             name = arg.split("=", 1)[0]
-            if name.startswith("-") and _is_model_spelling(_normalise_flag(name)):
+            if name.startswith("-") and _is_model_spelling(normalise(name)):
                 raise _refuse(f"the --config file {path!r} has a key {name[2:]!r}, not a spelling of 'model' "
                               "vLLM accepts")
         config_origin = f"--config {path}"
         raw = config + raw[:index] + raw[index + 2:]
-    processed = _drop_dotted([_normalise_flag(arg) for arg in raw])
-    config_count = 0 if config_origin is None else len(_drop_dotted([_normalise_flag(a) for a in config]))
+    processed = _drop_dotted([normalise(arg) for arg in raw])
+    config_count = 0 if config_origin is None else len(_drop_dotted([normalise(a) for a in config]))
     found: list[ModelChoice] = []
     first_seen = False
     for i, arg in enumerate(processed):

@@ -41,7 +41,6 @@ from carbonforge_runtime.runtime.launch_plan import (
     build_recipe_plan,
     data_parallel_size,
     engine_args,
-    flags_in,
     user_scheduler_cls,
 )
 from carbonforge_runtime.runtime.licensing.gate import check_recipe_args
@@ -49,6 +48,7 @@ from carbonforge_runtime.runtime.model_arg import model_from_args
 from carbonforge_runtime.runtime.privacy import PrivacyEnv, engine_privacy_env
 from carbonforge_runtime.runtime.supervisor import stop_timeout_s
 from carbonforge_runtime.runtime.trace_options import resolve_trace_options, trace_export_lines
+from carbonforge_runtime.runtime.vllm_args import read
 from carbonforge_runtime.settings import Settings
 
 #: Secrets the runtime reads and the engine never needs: kept out of the engine's environment (and so
@@ -133,7 +133,7 @@ def model_source(options: ServeOptions, recipes: Mapping[str, Recipe]) -> ModelS
             recipe = resolve(options.context_key, recipes)
             return ModelSource(recipe.model.repo, recipe.model.revision, bool(recipe.model.builtin))
         if options.vllm_args:
-            return ModelSource(model_from_args(options.vllm_args), flags_in(options.vllm_args).get("--revision"))
+            return ModelSource(model_from_args(options.vllm_args), read(options.vllm_args).value("--revision"))
     except CarbonForgeError:
         return None
     return None
@@ -421,14 +421,14 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
 
 def describe_api(launch: LaunchPlan) -> list[str]:
     """The API's key requirement, parsers and effort mapping, for the dry run."""
-    given = flags_in(launch.argv)
+    given = read(engine_args(launch.argv))
     keys = ("required (Authorization: Bearer)" if api_keys_required(launch)
             else "none: open to anyone who can reach the port")
     out = [f"API keys:           {keys}"]
-    reasoning = given.get(REASONING_FLAG)
+    reasoning = given.value(REASONING_FLAG)
     out.append(f"reasoning parser:   {reasoning or 'none (the model does not reason)'}")
-    tools = given.get(TOOL_PARSER_FLAG)
-    auto = ", auto tool choice" if AUTO_TOOL_FLAG in given else ""
+    tools = given.value(TOOL_PARSER_FLAG)
+    auto = ", auto tool choice" if given.switch(AUTO_TOOL_FLAG) else ""
     out.append(f"tool-call parser:   {tools + auto if tools else 'none (requests with tools are refused)'}")
     if launch.api.reasoning:
         budget = launch.api.thinking_budget

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from carbonforge_runtime.runtime.vllm_args import read
+
 #: vLLM's switches that turn its usage reporting off, each with the only value it honours.
 USAGE_STATS_OFF: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1"}
 #: The Hugging Face switches that keep the engine off the hub (huggingface_hub reads the first, and the
@@ -38,12 +40,12 @@ HOST_IP_VARIABLE = "VLLM_HOST_IP"
 LOOPBACK = "127.0.0.1"
 #: vLLM flags that make other hosts reach this engine's processes (so they need a routable address).
 MULTI_HOST_FLAGS = frozenset({
-    "--node-rank", "-r", "--master-addr", "--headless", "--data-parallel-address", "--data-parallel-start-rank",
+    "--node-rank", "--master-addr", "--headless", "--data-parallel-address", "--data-parallel-start-rank",
     "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--kv-transfer-config", "--ec-transfer-config",
     "--kv-events-config",
 })
 #: Flags that spread the engine over hosts only with some values.
-_NODE_COUNT_FLAGS = frozenset({"--nnodes", "-n"})
+_NODE_COUNT_FLAGS = frozenset({"--nnodes"})
 _BACKEND_FLAGS = frozenset({"--distributed-executor-backend", "--data-parallel-backend"})
 #: Every variable this module looks at (the doctor reads these from the runtime's environment).
 WATCHED_VARIABLES = (*USAGE_STATS_OFF, *HUB_OFFLINE_VARIABLES, MODELSCOPE_VARIABLE)
@@ -86,15 +88,15 @@ def is_offline(environ: Mapping[str, str]) -> bool:
 
 
 def multi_host_flag(args: Sequence[str]) -> str | None:
-    """The first vLLM flag among ``args`` that lets other hosts take part in serving, or None."""
-    for i, arg in enumerate(args):
-        name, _, inline = arg.partition("=")
-        value = inline if inline else (args[i + 1] if i + 1 < len(args) else "")
-        if name in MULTI_HOST_FLAGS:
+    """The first vLLM flag among ``args`` (as written) that lets other hosts take part in serving, or None."""
+    for occurrence in read(args).occurrences:
+        name = occurrence.written.split("=", 1)[0]
+        value = occurrence.values[0] if occurrence.values else ""
+        if occurrence.flag in MULTI_HOST_FLAGS:
             return name
-        if name in _NODE_COUNT_FLAGS and value.strip() not in ("", "1"):
+        if occurrence.flag in _NODE_COUNT_FLAGS and value.strip() not in ("", "1"):
             return f"{name} {value}"
-        if name in _BACKEND_FLAGS and value.strip().lower() == "ray":
+        if occurrence.flag in _BACKEND_FLAGS and value.strip().lower() == "ray":
             return f"{name} {value}"
     return None
 

@@ -41,9 +41,10 @@ from carbonforge_runtime.runtime.hf_cache import (
     snapshot_has_weights,
     snapshot_state,
 )
-from carbonforge_runtime.runtime.launch_plan import LaunchPlan, build_recipe_plan, flags_in
+from carbonforge_runtime.runtime.launch_plan import LaunchPlan, build_recipe_plan, engine_args
 from carbonforge_runtime.runtime.privacy import WATCHED_VARIABLES
 from carbonforge_runtime.runtime.privileges import read_cap_sys_admin
+from carbonforge_runtime.runtime.vllm_args import read
 from carbonforge_runtime.settings import VARIABLES, Settings
 
 DOCTOR, PREFLIGHT = "doctor", "preflight"
@@ -493,7 +494,7 @@ def effective_memory_fraction(plan: LaunchPlan) -> float:
                 return float(knob.value)
             except (TypeError, ValueError):
                 break
-    text = flags_in(plan.argv).get("--gpu-memory-utilization")
+    text = read(engine_args(plan.argv)).value("--gpu-memory-utilization")
     try:
         return float(text) if text else VLLM_DEFAULT_MEMORY_FRACTION
     except ValueError:

@@ -38,6 +38,7 @@ from carbonforge_runtime.runtime.model_arg import (
     read_config_file,
     resolve_model,
 )
+from carbonforge_runtime.runtime.vllm_args import normalise
 from carbonforge_runtime.settings import Settings
 
 NO_LICENSE = "no license key provided"
@@ -209,9 +210,8 @@ def draft_models(args: Sequence[str], read: Callable[[str], Any] = read_config_f
             continue
         head, sep, inline = arg.partition("=")
         base, dot, field_path = head.partition(".")
-        if base.startswith("--"):
-            base = base.replace("_", "-")
-        elif base.startswith(SPEC_CONFIG_SHORT) and base != SPEC_CONFIG_SHORT:
+        base = normalise(base)
+        if not base.startswith("--") and base.startswith(SPEC_CONFIG_SHORT) and base != SPEC_CONFIG_SHORT:
             raise _refuse_draft(f"{arg!r} joins a value to {SPEC_CONFIG_SHORT}",
                                 f"write {SPEC_CONFIG_SHORT} JSON or {SPEC_CONFIG_FLAG} JSON as two arguments")
         following = args[i + 1] if i + 1 < len(args) else None

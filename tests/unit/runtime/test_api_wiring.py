@@ -12,10 +12,11 @@ from carbonforge_runtime.core.api_contract import API_CONTRACT_VARIABLE, ApiCont
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
 from carbonforge_runtime.runtime.api_key import read_api_key
-from carbonforge_runtime.runtime.launch_plan import MIDDLEWARE, flags_in
+from carbonforge_runtime.runtime.launch_plan import MIDDLEWARE
 from carbonforge_runtime.runtime.plan import ServeOptions, build_plan, command_line, describe_plan
 from carbonforge_runtime.settings import load_settings
 from tests.support import group_env
+from tests.support.vllm_command import flags as flags_in
 
 SHIPPED: dict[str, Recipe] = load_recipes(recipe_dirs(None))
 OPEN_WARNING = "takes requests from anyone who can reach it"

@@ -15,10 +15,10 @@ from carbonforge_runtime.runtime.launch_plan import (
     MIDDLEWARE,
     build_override_plan,
     build_recipe_plan,
-    flags_in,
 )
 from carbonforge_runtime.runtime.serve import ServeOptions, prepare, serve
 from carbonforge_runtime.settings import load_settings
+from tests.support.vllm_command import flags as flags_in
 
 RECIPES = load_recipes([shipped_recipes_dir()])
 

@@ -15,11 +15,12 @@ from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.core.contract import CONTRACT_ENV, SCHEDULER_CLS
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.runtime.launch_plan import LaunchPlan, flags_in
+from carbonforge_runtime.runtime.launch_plan import LaunchPlan
 from carbonforge_runtime.runtime.serve import ServeOptions, _create_trace_file, describe_prepared, prepare
 from carbonforge_runtime.runtime.trace_options import TraceConfig
 from carbonforge_runtime.settings import load_settings
 from tests.support import REPO, TINY_KEY
+from tests.support.vllm_command import flags as flags_in
 from tests.unit.runtime.conftest import Lines
 
 

@@ -170,3 +170,87 @@ def test_many_generated_command_lines_are_accepted_by_vllm_and_agree(
         tokens = ["--model", "m", *rng.choices(TOKENS, k=rng.randint(0, 8))]
         accepted += assert_agrees(vllm_parse, tokens)
     assert accepted >= 60, accepted
+
+
+# --- what the plan announces and enforces is what vLLM runs with ----------------------------------
+
+def _plan(mode: str, extra: list[str]):  # type: ignore[no-untyped-def]
+    from carbonforge_runtime.recipes import load_recipes, shipped_recipes_dir
+    from carbonforge_runtime.runtime.plan import ServeOptions, build_plan
+    from carbonforge_runtime.settings import load_settings
+
+    recipes = load_recipes([shipped_recipes_dir()])
+    if mode == "recipe":
+        options = ServeOptions(context_key="cf-tiny:bf16:chat:cpu", vllm_args=extra)
+    else:
+        options = ServeOptions(vllm_args=["org/model", *extra])
+    return build_plan(options, load_settings({}), recipes, {})
+
+
+DRAIN_SPELLINGS = [["--shutdown-timeout", "5"], ["--shutdown_timeout", "5"], ["--shutdown-timeout=5"],
+                   ["--shutdown_timeout=5"], ["--shutdown-t", "5"],
+                   ["--shutdown-timeout", "100", "--shutdown_timeout=5"]]
+
+
+@pytest.mark.parametrize("mode", ["recipe", "override"])
+@pytest.mark.parametrize("spelling", DRAIN_SPELLINGS, ids=" ".join)
+def test_the_drain_announced_and_enforced_is_the_one_vllm_runs(
+        vllm_parse: Callable[[list[str]], argparse.Namespace | None], mode: str, spelling: list[str]) -> None:
+    from carbonforge_runtime.runtime.launch_plan import engine_args
+    from carbonforge_runtime.runtime.plan import ServeOptions, describe_plan
+    from carbonforge_runtime.runtime.supervisor import stop_bound_s
+
+    plan = _plan(mode, spelling)
+    namespace = vllm_parse(engine_args(plan.launch.argv))
+    assert namespace is not None
+    assert namespace.shutdown_timeout == 5
+    assert plan.launch.drain_timeout_s == 5  # what serve hands the supervisor
+    assert stop_bound_s(plan.launch.drain_timeout_s) == 5 + stop_bound_s(0)
+    lines = describe_plan(plan, ServeOptions(), {})
+    assert any(line.startswith("drain time:") and " 5 s " in line for line in lines), lines
+    # The runtime adds no drain of its own when the operator gave one.
+    given = read(engine_args(plan.launch.argv)).all("--shutdown-timeout")
+    assert len(given) == len(read(spelling).all("--shutdown-timeout"))
+
+
+@pytest.mark.parametrize("mode", ["recipe", "override"])
+@pytest.mark.parametrize("spelling", [["--scheduler_cls", "x.Y"], ["--scheduler-cls=x.Y"], ["--scheduler_cls=x.Y"]],
+                         ids=" ".join)
+def test_the_users_scheduler_class_wins_in_any_spelling(
+        vllm_parse: Callable[[list[str]], argparse.Namespace | None], mode: str, spelling: list[str]) -> None:
+    from carbonforge_runtime.core.contract import SCHEDULER_CLS
+    from carbonforge_runtime.runtime.launch_plan import engine_args
+
+    plan = _plan(mode, spelling)
+    namespace = vllm_parse(engine_args(plan.launch.argv))
+    assert namespace is not None and namespace.scheduler_cls == "x.Y"
+    assert SCHEDULER_CLS not in plan.launch.argv
+    assert plan.launch.contract is None
+    assert any("x.Y given: the CarbonForge scheduler is not loaded" in note for note in plan.launch.notes)
+
+
+@pytest.mark.parametrize("mode", ["recipe", "override"])
+def test_a_repeated_flag_is_read_as_vllm_reads_it(
+        vllm_parse: Callable[[list[str]], argparse.Namespace | None], mode: str) -> None:
+    from carbonforge_runtime.runtime.launch_plan import engine_args
+
+    extra = ["--port", "8001", "--port=8002", "--served_model_name", "a", "--served-model-name", "b",
+             "-dp", "1", "--data_parallel_size=1", "--max_num_seqs", "3", "--max-num-seqs=2"]
+    plan = _plan(mode, extra)
+    namespace = vllm_parse(engine_args(plan.launch.argv))
+    assert namespace is not None
+    assert (plan.launch.port, namespace.port) == (8002, 8002)
+    assert (plan.launch.served_model_name, namespace.served_model_name) == ("b", ["b"])
+    assert namespace.max_num_seqs == 2
+    if mode == "recipe":
+        knob = next(k for k in plan.launch.knobs if k.name == "max_num_seqs")
+        assert (knob.value, knob.source) == ("2", "extra flag after --")
+
+
+@pytest.mark.parametrize("args", [["--node_rank", "1"], ["-r", "1"], ["--nnodes=2"], ["-n2"], ["--master_addr", "h"]])
+def test_group_flags_are_refused_in_every_spelling(args: list[str]) -> None:
+    from carbonforge_runtime.errors import UsageError
+    from carbonforge_runtime.runtime.group import check_no_group_flags
+
+    with pytest.raises(UsageError, match="the runtime places this host in its group itself"):
+        check_no_group_flags(["--enforce-eager", *args])
