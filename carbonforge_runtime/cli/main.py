@@ -29,10 +29,49 @@ from carbonforge_runtime.gpu.select import default_backend
 from carbonforge_runtime.gpu.types import GpuBackend
 from carbonforge_runtime.settings import Settings, load_settings
 
+#: The exceptions of the Click that typer runs on (its own copy in later releases, the click package in
+#: earlier ones), found through a class typer exports.
+_click_errors: Any = sys.modules[typer.BadParameter.__module__]
+
+
+class _UnknownOption(_click_errors.UsageError):  # type: ignore[misc]
+    """An option no command knows, reported in the runtime's own words (``unknown option ...: did you
+    mean ...?`` and a fix) wherever it stands on the command line, instead of Click's message."""
+
+    def __init__(self, error: UsageError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+    def show(self, file: Any = None) -> None:
+        typer.echo(self.error.render(), err=True)
+
+
+def _runtime_style(exc: Any) -> _UnknownOption:
+    command = exc.ctx.command if exc.ctx is not None else None
+    if command is None or command.name == "serve":
+        return _UnknownOption(unknown_option(exc.option_name))
+    path = exc.ctx.command_path if exc.ctx is not None else "carbonforge-runtime"
+    options = tuple(opt for param in command.params if param.param_type_name == "option" for opt in param.opts)
+    return _UnknownOption(unknown_option(exc.option_name, options,
+                                         f"`{path} --help` lists its options"))
+
 
 class _RootGroup(typer.core.TyperGroup):
     """The root command: its help also lists the runtime flags (the ``serve`` options), since a command
-    line that starts with one of them is a serve command line."""
+    line that starts with one of them is a serve command line. An unknown option, on any command, is
+    reported in the runtime's own style."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except _click_errors.NoSuchOption as exc:
+            raise _runtime_style(exc) from None
+
+    def invoke(self, ctx: Any) -> Any:
+        try:  # every subcommand's (and sub-group's) options are parsed in here
+            return super().invoke(ctx)
+        except _click_errors.NoSuchOption as exc:
+            raise _runtime_style(exc) from None
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         serve_command = self.commands.get("serve")
@@ -160,16 +199,19 @@ def _names_a_model(args: Sequence[str]) -> bool:
     return any(arg.split("=", 1)[0] in VLLM_MODEL_FLAGS for arg in args)
 
 
-def unknown_option(option: str) -> UsageError:
-    """A flag-first command line that is neither a runtime command line nor a vLLM one."""
+#: The fix of an unknown runtime flag.
+RUNTIME_FLAG_FIX = ("runtime flags are listed by `carbonforge-runtime --help`; a vLLM command line goes after -- "
+                    "with the model first (carbonforge-runtime [runtime flags] -- MODEL [vLLM flags])")
+
+
+def unknown_option(option: str, known: Sequence[str] | None = None, fix: str = RUNTIME_FLAG_FIX) -> UsageError:
+    """An option nothing knows: by default a runtime flag (a flag-first command line that is neither a
+    runtime command line nor a vLLM one, or a serve option), else one of a subcommand's ``known``."""
     name = option.split("=", 1)[0]
-    close = difflib.get_close_matches(name.lower().replace("_", "-"), RUNTIME_FLAGS, n=1, cutoff=0.75)
+    candidates = RUNTIME_FLAGS if known is None else known
+    close = difflib.get_close_matches(name.lower().replace("_", "-"), candidates, n=1, cutoff=0.75)
     suggestion = f": did you mean {close[0]}?" if close else ""
-    return UsageError(
-        f"unknown option {name!r}{suggestion}",
-        "runtime flags are listed by `carbonforge-runtime --help`; a vLLM command line goes after -- with the "
-        "model first (carbonforge-runtime [runtime flags] -- MODEL [vLLM flags])",
-    )
+    return UsageError(f"unknown option {name!r}{suggestion}", fix)
 
 
 @app.command()

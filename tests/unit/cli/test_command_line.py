@@ -60,6 +60,32 @@ def test_an_unknown_flag_first_is_refused_without_a_guess(capsys: pytest.Capture
     assert "could not determine which model" not in err
 
 
+@pytest.mark.parametrize(("args", "name", "suggestion", "fix"), [
+    (["--context-key", TINY_KEY, "--dry-rn"], "--dry-rn", "--dry-run", "runtime flags are listed by"),
+    (["serve", "--metric"], "--metric", "--metrics", "runtime flags are listed by"),
+    (["--context-key", TINY_KEY, "--max-num-seqs", "3"], "--max-num-seqs", None, "goes after --"),
+    (["doctor", "--jsn"], "--jsn", "--json", "`carbonforge-runtime doctor --help` lists its options"),
+    (["trace", "summarize", "--bogus", "t.jsonl"], "--bogus", None,
+     "`carbonforge-runtime trace summarize --help` lists its options"),
+    (["sim", "t.csv", "--contex-key", TINY_KEY], "--contex-key", "--context-key",
+     "`carbonforge-runtime sim --help` lists its options"),
+])
+def test_an_unknown_option_after_the_first_is_reported_in_the_runtimes_style(
+        args: list[str], name: str, suggestion: str | None, fix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_main(args, capsys)
+    assert code == 2
+    first = err.splitlines()[0]
+    assert first == f"error: unknown option '{name}'" + (f": did you mean {suggestion}?" if suggestion else "")
+    assert "fix: " in err and fix in err
+    assert "No such option" not in err and "Possible options" not in err and "Usage:" not in err
+
+
+def test_an_unknown_option_through_the_app_is_reported_in_the_runtimes_style() -> None:
+    result = invoke("recipes", "show", "--verbose", TINY_KEY)
+    assert result.exit_code == 2
+    assert "error: unknown option '--verbose'" in result.output and "No such option" not in result.output
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--model", "m", "--seed", "1"], ["serve", "--", "--model", "m", "--seed", "1"]),
     (["--model=m"], ["serve", "--", "--model=m"]),
