@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-STARTING = "starting the engine"
+STARTING = "launching processes"
 DOWNLOADING = "downloading weights"
 LOADING = "loading weights"
 COMPILING = "compiling"
@@ -241,9 +241,11 @@ class StartupPhases:
         return ", ".join(f"{phase} {_seconds(took)}" for phase, took in self.durations(now))
 
     def progress(self, now: float) -> str:
-        """The phase, for a progress line: ``loading weights for 12 s``, with the download's
-        progress while downloading."""
-        text = f"{self.phase} for {max(now - self.phase_started(), 0.0):.0f} s"
+        """The phase, for a progress line: ``loading weights for 12 s`` (the first phase without its
+        time, which is the whole time so far), with the download's progress while downloading."""
+        text = self.phase
+        if len(self.spans) > 1:
+            text += f" for {max(now - self.phase_started(), 0.0):.0f} s"
         state = self.download(now)
         if state is not None:
             text = f"{self.phase}: {state.describe()}"

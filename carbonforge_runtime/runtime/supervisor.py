@@ -529,8 +529,8 @@ def supervise(
                     return ExitReport("timeout", None, 1)
                 elif now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now
-                    log.info(f"engine starting: {phases.progress(now)} ({now - started:.0f} s elapsed; "
-                             f"details in {engine.log_path})")
+                    log.info(f"engine starting, {now - started:.0f} s so far: {phases.progress(now)} "
+                             f"(details in {engine.log_path})")
             time.sleep(POLL_INTERVAL_S)
     except BaseException:
         engine.stop(_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))

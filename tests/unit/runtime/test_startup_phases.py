@@ -88,7 +88,7 @@ def test_an_engine_that_dies_reading_its_weights_is_in_the_loading_phase(tmp_pat
 def test_the_ready_summary_names_each_phase_with_its_time_and_the_kv_capacity(tmp_path: Path) -> None:
     phases, _seen, end = replay(cpu_lines(tmp_path, 1 << 20))
     first, kv = phases.ready_summary(end + 2.0)
-    assert first == ("engine ready after 37 s: starting the engine 21 s, loading weights 1.0 s, compiling 11 s, "
+    assert first == ("engine ready after 37 s: launching processes 21 s, loading weights 1.0 s, compiling 11 s, "
                      "measuring memory for the KV cache 1.0 s, starting the API server 3.0 s")
     assert kv == "KV cache: 2,097,152 tokens (CPU); maximum concurrency at 2,048 tokens per request: 1024.00x"
 
@@ -211,6 +211,15 @@ def test_a_growing_download_is_its_own_phase_with_rate_and_time_left() -> None:
     took = dict(phases.durations(61.0))
     assert took[sp.DOWNLOADING] == pytest.approx(48.0)
     assert took[sp.LOADING] == pytest.approx(12.0)  # 1 s to 12 s, then 60 s to 61 s
+
+
+def test_a_progress_line_names_each_phase_once_and_its_time_only_when_it_adds_something() -> None:
+    phases = sp.StartupPhases(0.0)
+    # The first phase has run for the whole time so far: its time would only repeat it.
+    assert phases.progress(10.0) == "launching processes"
+    phases.feed("(Worker pid=7) INFO 12-02 09:00:00 [cpu_model_runner.py:87] Warming up model for the compilation",
+                33.0)
+    assert phases.progress(41.0) == "compiling for 8 s"
 
 
 def test_left_over_partial_files_that_do_not_grow_are_no_download() -> None:

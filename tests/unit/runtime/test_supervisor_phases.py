@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -82,7 +83,7 @@ def test_at_ready_one_line_gives_each_phase_its_time_and_one_the_kv_capacity(
     assert report.outcome == "stopped"
     ready = [m for m in messages if m.startswith("engine ready after ")]
     assert len(ready) == 1, messages
-    names = ["starting the engine", "loading weights", "compiling", "measuring memory for the KV cache",
+    names = ["launching processes", "loading weights", "compiling", "measuring memory for the KV cache",
              "starting the API server"]
     positions = [ready[0].find(f"{name} ") for name in names]
     assert -1 not in positions and positions == sorted(positions), ready[0]
@@ -97,7 +98,7 @@ def test_an_engine_that_fails_while_loading_weights_is_reported_in_that_phase(
     assert report.outcome == "early-exit" and report.exit_code == 1
     assert "vLLM exited (code 1) before becoming ready, while loading weights" in messages
     phases = [m for m in messages if m.startswith("start-up phases until then: ")]
-    assert len(phases) == 1 and "starting the engine" in phases[0] and "loading weights" in phases[0]
+    assert len(phases) == 1 and "launching processes" in phases[0] and "loading weights" in phases[0]
     assert "compiling" not in phases[0]
 
 
@@ -109,12 +110,28 @@ def test_progress_lines_show_a_download_seen_in_the_cache_folder(
     report, messages = run(tmp_path, "Starting to load model", ["fail"], caplog,
                            env={"FAKE_DOWNLOAD_DIR": str(folder)}, download_folder=folder)
     assert report.outcome == "early-exit"
-    downloading = [m for m in messages if m.startswith("engine starting: downloading weights: ")]
+    progress = [m for m in messages if m.startswith("engine starting, ")]
+    downloading = [m for m in progress if re.match(r"engine starting, [0-9]+ s so far: downloading weights: ", m)]
     assert downloading, messages
     assert any("MiB/s" in m for m in downloading), downloading
     # The download ended ("Time spent downloading weights"), so the failure is in the loading phase.
     assert "vLLM exited (code 1) before becoming ready, while loading weights" in messages
     assert any(m.startswith("start-up phases until then: ") and "downloading weights" in m for m in messages)
+
+
+@pytest.mark.timeout(120)
+def test_progress_lines_give_the_time_so_far_then_the_phase_without_repeating_either(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "PROGRESS_INTERVAL_S", 1.0)
+    report, messages = run(tmp_path, "Warming up model for the compilation", ["hang"], caplog, ready_timeout_s=3.5)
+    assert report.outcome == "timeout"
+    progress = [m for m in messages if m.startswith("engine starting")]
+    assert progress, messages
+    for line in progress:
+        assert re.fullmatch(r"engine starting, [0-9]+ s so far: (launching processes|[a-z ]+ for [0-9]+ s) "
+                            r"\(details in .+vllm\.log\)", line), line
+        assert "starting the engine" not in line and "elapsed" not in line
+    assert any(": compiling for " in line for line in progress), progress
 
 
 @pytest.mark.timeout(120)
