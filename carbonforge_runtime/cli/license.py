@@ -17,7 +17,7 @@ from carbonforge_runtime.runtime.licensing.core import (
     format_time,
     verify,
 )
-from carbonforge_runtime.runtime.licensing.source import read_license
+from carbonforge_runtime.runtime.licensing.source import missing_file_remedy, read_license
 from carbonforge_runtime.settings import load_settings
 
 license_app = typer.Typer(help="Show the licence this runtime uses and whether it is valid.",
@@ -60,7 +60,11 @@ def show_license(environ: Mapping[str, str], now: float,
     source = read_license(settings)
     out = [f"source:        {source.describe()}"]
     if source.text is None:
-        if source.problem:
+        if source.missing:
+            out.append(f"status:        MISSING: {source.problem}")
+            err = (f"error: no license key provided: the licence file {source.origin} {source.problem}\n"
+                   f"  fix: {missing_file_remedy(source.origin or '')}")
+        elif source.problem:
             out.append(f"status:        UNREADABLE: {source.problem}")
             err = (f"error: no license key provided: the licence file {source.origin} cannot be used: "
                    f"{source.problem}\n  fix: make the file readable by the runtime's user (owner and mode), "

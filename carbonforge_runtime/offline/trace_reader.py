@@ -61,11 +61,18 @@ def loads_line(line: bytes | str) -> Any:
         raise ValueError("nested too deeply to be a trace record") from None
 
 
-def check_readable(path: Path, kind: str = "trace file", written_by: str = "--trace-file of the runtime") -> None:
-    """Refuse, with the fix, a ``kind`` of file (written by the runtime's ``written_by``) that is missing,
-    a directory or unreadable."""
+#: What the trace inputs of ``sim``, ``tune`` and ``replay`` can be (for the fix of a missing one).
+SIM_TRACE_INPUTS = "the trace is an Azure-format CSV, a Mooncake JSONL trace or a trace written by serve's --trace-file"
+REPLAY_TRACE_INPUTS = "the trace is an Azure-format CSV or a trace written by serve's --trace-file"
+
+
+def check_readable(path: Path, kind: str = "trace file", written_by: str = "--trace-file of the runtime",
+                   *, inputs: str | None = None) -> None:
+    """Refuse, with the fix, a ``kind`` of file (written by the runtime's ``written_by``, or, for a command
+    that reads other formats too, one of ``inputs``) that is missing, a directory or unreadable."""
     if not path.exists():
-        raise TraceInputError(f"{kind} {path} does not exist", f"check the path ({written_by})")
+        raise TraceInputError(f"{kind} {path} does not exist",
+                              f"check the path ({inputs if inputs is not None else written_by})")
     if path.is_dir():
         raise TraceInputError(f"{path} is a directory, not a {kind}", "pass the JSONL file itself")
     try:

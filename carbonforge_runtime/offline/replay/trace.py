@@ -20,6 +20,7 @@ from typing import Any
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.offline.trace_reader import (
     MAX_REQUEST_TOKENS,
+    REPLAY_TRACE_INPUTS,
     DamagedInput,
     TraceInputError,
     check_readable,
@@ -63,7 +64,7 @@ class Recording:
 def load_recording(path: Path | str) -> Recording:
     """Read ``path``: ``.csv`` is the Azure format, anything else JSON lines."""
     path = Path(path)
-    check_readable(path)
+    check_readable(path, inputs=REPLAY_TRACE_INPUTS)
     if path.suffix.lower() == ".csv":
         return _load_azure(path)
     return _load_jsonl(path)

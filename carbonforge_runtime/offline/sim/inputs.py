@@ -25,7 +25,12 @@ from typing import Any
 
 from carbonforge_runtime.core.twin import SimError, SimRequest
 from carbonforge_runtime.offline.replay.trace import load_recording
-from carbonforge_runtime.offline.trace_reader import MAX_REQUEST_TOKENS, check_readable, numbered_records
+from carbonforge_runtime.offline.trace_reader import (
+    MAX_REQUEST_TOKENS,
+    SIM_TRACE_INPUTS,
+    check_readable,
+    numbered_records,
+)
 
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 #: Tokens a Mooncake hash id stands for, in the published traces.
@@ -80,7 +85,7 @@ def load_trace(path: Path, mooncake_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -
     """Read ``path`` in whichever supported format it is (``.csv``: Azure; JSON lines: Mooncake when
     its first record has Mooncake's fields, else our trace)."""
     path = Path(path)
-    check_readable(path)
+    check_readable(path, inputs=SIM_TRACE_INPUTS)
     if path.suffix.lower() != ".csv":
         first = _first_record(path)
         if first is not None and "input_length" in first and "t_arrival" not in first:

@@ -395,6 +395,8 @@ def license_checks(facts: DoctorFacts) -> list[Check]:
                       "normal for free recipes, which run without one; premium recipes need "
                       f"CARBONFORGE_LICENSE_KEY or the licence file mounted at {DEFAULT_LICENSE_FILE}")]
     if lic.state == "unreadable":
+        if lic.missing:
+            return [Check(LICENSE, "license", bad, f"{origin} {lic.message}", lic.remedy)]
         return [Check(LICENSE, "license", bad, f"{origin} cannot be read: {lic.message}", UNREADABLE_LICENSE_REMEDY)]
     if lic.state == "invalid":
         return [Check(LICENSE, "license", bad, f"the licence from {origin} is not valid: {lic.message}",

@@ -125,6 +125,8 @@ class LicenseFacts:
     expires_at: float | None = None
     #: Whether the licence covers the recipe asked for (None: no premium recipe asked for).
     entitled: bool | None = None
+    #: Unreadable because the licence file named by CF_LICENSE_FILE does not exist.
+    missing: bool = False
 
 
 @dataclass(frozen=True)
@@ -337,7 +339,9 @@ class SystemProbes:
                                 remedy="reinstall the runtime (the container image ships it)")
         source = licensing.read_license(settings)
         if source.problem:
-            return LicenseFacts("unreadable", origin=source.origin, message=source.problem)
+            remedy = licensing.missing_file_remedy(source.origin or "") if source.missing else ""
+            return LicenseFacts("unreadable", origin=source.origin, message=source.problem, remedy=remedy,
+                                missing=source.missing)
         if source.text is None:
             return LicenseFacts("none")
         keys = self.public_keys if self.public_keys is not None else licensing.public_keys()

@@ -21,7 +21,7 @@ from carbonforge_runtime.runtime.licensing.core import (
     verify,
 )
 from carbonforge_runtime.runtime.licensing.keys import public_keys
-from carbonforge_runtime.runtime.licensing.source import LicenseSource, read_license
+from carbonforge_runtime.runtime.licensing.source import LicenseSource, missing_file_remedy, read_license
 
 __all__ = [
     "CLOCK_SKEW_S",
@@ -34,6 +34,7 @@ __all__ = [
     "LicenseSource",
     "entitles",
     "format_time",
+    "missing_file_remedy",
     "public_keys",
     "read_license",
     "verify",

@@ -31,6 +31,8 @@ class LicenseSource:
     problem: str | None
     #: The licence file that is present but ignored because the variable is set.
     shadowed: str | None = None
+    #: The licence file named by CF_LICENSE_FILE does not exist (its :attr:`problem` says so).
+    missing: bool = False
 
     @property
     def found(self) -> bool:
@@ -48,6 +50,12 @@ class LicenseSource:
 
 def license_file(settings: Settings) -> Path:
     return settings.license_file
+
+
+def missing_file_remedy(path: Path | str) -> str:
+    """The fix for a licence file that does not exist: put it there, name where it is, or use the variable."""
+    return (f"put the licence file at {path} (in a container, mount it: -v ./license.key:{path}:ro), set "
+            f"{FILE_VAR} to where it is, or pass the key in {ENV_VAR} instead")
 
 
 def _permission_detail(path: Path) -> str:
@@ -79,7 +87,7 @@ def read_license(settings: Settings) -> LicenseSource:
     if not present:
         if settings.is_set(FILE_VAR):
             return LicenseSource(origin=str(path), text=None,
-                                 problem=f"it does not exist ({FILE_VAR} points to it)")
+                                 problem=f"does not exist ({FILE_VAR} points to it)", missing=True)
         return LicenseSource(origin=None, text=None, problem=None)
     if path.is_dir():
         return LicenseSource(origin=str(path), text=None,

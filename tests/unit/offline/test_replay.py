@@ -84,6 +84,12 @@ def test_nonsense_traces_are_refused_clearly(tmp_path: Path, name: str, text: st
     assert exc.value.remedy
 
 
+def test_a_missing_trace_is_told_what_replay_reads(tmp_path: Path) -> None:
+    with pytest.raises(TraceInputError) as caught:
+        load_recording(tmp_path / "azure.csv")
+    assert caught.value.remedy == "check the path (the trace is an Azure-format CSV or a trace written by serve's --trace-file)"
+
+
 def test_unreadable_traces_are_refused_by_the_shared_reader(tmp_path: Path) -> None:
     with pytest.raises(TraceInputError, match="does not exist"):
         load_recording(tmp_path / "nope.jsonl")

@@ -117,6 +117,16 @@ def test_bad_traces_are_refused_with_their_line(tmp_path: Path, name: str, text:
     assert ":1:" in caught.value.message
 
 
+@pytest.mark.parametrize("name", ["missing.csv", "missing.jsonl"])
+def test_a_missing_trace_is_told_what_sim_reads_not_the_runtimes_flag(tmp_path: Path, name: str) -> None:
+    with pytest.raises(TraceInputError) as caught:
+        load_trace(tmp_path / name)
+    assert caught.value.message == f"trace file {tmp_path / name} does not exist"
+    assert caught.value.remedy == ("check the path (the trace is an Azure-format CSV, a Mooncake JSONL trace or a "
+                                   "trace written by serve's --trace-file)")
+    assert "of the runtime" not in caught.value.render()
+
+
 def test_unreadable_input_goes_through_the_shared_reader(tmp_path: Path) -> None:
     with pytest.raises(TraceInputError, match="does not exist"):
         load_trace(tmp_path / "missing.jsonl")

@@ -315,6 +315,15 @@ def test_unreadable_licence_file_gives_the_permissions_remedy() -> None:
     assert premium.status == FAIL
 
 
+def test_a_missing_licence_file_is_told_it_does_not_exist_and_how_to_provide_it() -> None:
+    missing = LicenseFacts("unreadable", origin="/run/lic.key", message="does not exist (CF_LICENSE_FILE points to it)",
+                           remedy="put the licence file at /run/lic.key", missing=True)
+    lic = only(run(host("l4"), L4_KEY, FixedProbes(license_facts=missing)), "license")
+    assert lic.status == WARN
+    assert lic.detail == "the licence file /run/lic.key does not exist (CF_LICENSE_FILE points to it)"
+    assert lic.remedy == "put the licence file at /run/lic.key" and "readable" not in lic.remedy
+
+
 def test_licence_expiring_within_30_days_warns() -> None:
     soon = only(run(host("l4"), L4_KEY, FixedProbes(license_facts=valid_license(days_left=12.5))), "license")
     assert soon.status == WARN

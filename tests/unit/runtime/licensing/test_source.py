@@ -101,6 +101,29 @@ def test_a_fifo_as_licence_file_is_refused_without_blocking(tmp_path: Path) -> N
     assert source.text is None and source.problem is not None and "not a regular file" in source.problem
 
 
+def test_a_licence_file_that_does_not_exist_is_told_so_with_how_to_provide_it(
+        tmp_path: Path, premium: Recipe) -> None:
+    from carbonforge_runtime.runtime.doctor.facts import SystemProbes
+
+    path = tmp_path / "license.key"
+    settings = settings_for(CF_LICENSE_FILE=str(path))
+    source = read_license(settings)
+    assert source.missing and source.problem == "does not exist (CF_LICENSE_FILE points to it)"
+    fix = (f"put the licence file at {path} (in a container, mount it: -v ./license.key:{path}:ro), set "
+           "CF_LICENSE_FILE to where it is, or pass the key in CARBONFORGE_LICENSE_KEY instead")
+    out, err, code = show_license({"CF_LICENSE_FILE": str(path)}, time.time(), keys=lambda: SIGNER.table)
+    assert code == 4 and "MISSING: does not exist" in out
+    assert err == (f"error: no license key provided: the licence file {path} does not exist (CF_LICENSE_FILE "
+                   f"points to it)\n  fix: {fix}")
+    assert "readable" not in err
+    facts = SystemProbes().license(settings, None, time.time())
+    assert facts.missing and facts.remedy == fix
+    with pytest.raises(LicenseInvalid) as info:
+        gate_recipe(premium, settings, time.time(), keys=lambda: SIGNER.table)
+    assert f"the licence file {path} does not exist" in info.value.message
+    assert "readable" not in info.value.remedy and "CARBONFORGE_LICENSE_KEY" in info.value.remedy
+
+
 def test_unreadable_file_gives_the_documented_message_and_the_variable_works(
         shared_dir: Path, licence: str, premium: Recipe) -> None:
     path = shared_dir / "license.key"
