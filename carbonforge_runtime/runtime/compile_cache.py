@@ -194,3 +194,15 @@ def is_container_root(mounts: Sequence[Mount]) -> bool:
     """Whether the root filesystem is a container engine's layered one (overlay and the like)."""
     root = mount_of("/", [mount for mount in mounts if mount.mount_point == "/"])
     return root is not None and root.fstype in ROOT_LAYER_FILESYSTEMS
+
+
+#: Files a container engine (Docker, Podman, containerd and CRI-O under Kubernetes) mounts into every
+#: container it starts, each from a file of its own outside the container.
+ENGINE_MOUNTED_FILES = frozenset({"/etc/hostname", "/etc/hosts", "/etc/resolv.conf"})
+
+
+def is_container(mounts: Sequence[Mount]) -> bool:
+    """Whether these are a container's mounts: a layered root filesystem, or the files a container engine
+    mounts into each container. A marker file such as ``/.dockerenv`` alone is no proof: a host or VM whose
+    root filesystem was made from a container image keeps it."""
+    return is_container_root(mounts) or any(mount.mount_point in ENGINE_MOUNTED_FILES for mount in mounts)

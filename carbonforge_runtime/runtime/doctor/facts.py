@@ -28,7 +28,7 @@ from carbonforge_runtime.runtime.compile_cache import (
     ROOT_VARIABLE,
     Mount,
     cache_location,
-    is_container_root,
+    is_container,
     mount_of,
     parse_mountinfo,
     resolve_root,
@@ -444,7 +444,9 @@ class SystemProbes:
         except OSError as exc:
             text, problem = None, f"{MOUNTINFO} cannot be read ({exc.strerror or exc})"
         mounts = parse_mountinfo(text or "")
-        in_container = any(Path(marker).exists() for marker in CONTAINER_MARKERS) or is_container_root(mounts)
+        # Without the mount table, a container engine's marker file is the only sign left.
+        in_container = is_container(mounts) if text is not None else any(
+            Path(marker).exists() for marker in CONTAINER_MARKERS)
         if not in_container:
             return MountFacts(False)
         if text is None:
@@ -455,7 +457,8 @@ class SystemProbes:
         return MountFacts(True, found, "" if found else f"no mount in {MOUNTINFO} holds {real}")
 
 
-#: Files container engines leave in a container's root (Docker, Podman).
+#: Files container engines leave in a container's root (Docker, Podman); also left in a host's or VM's
+#: root made from a container image, so they count only where the mount table cannot be read.
 CONTAINER_MARKERS = ("/.dockerenv", "/run/.containerenv")
 MOUNTINFO = "/proc/self/mountinfo"
 

@@ -122,7 +122,9 @@ def test_the_probe_finds_the_volume_of_a_directory_not_created_yet(monkeypatch: 
     volume = (tmp_path / "vol").resolve()
     volume.mkdir()
     fake_proc(monkeypatch, tmp_path, f"1 0 8:1 / / rw - ext4 /dev/vda rw\n"
-                                     f"2 1 8:2 /volumes/cache/_data {volume} rw - xfs /dev/vdb rw\n", marker=True)
+                                     f"2 1 8:2 /volumes/cache/_data {volume} rw - xfs /dev/vdb rw\n"
+                                     f"3 1 8:1 /docker/containers/0a1b/hostname /etc/hostname rw - ext4 /dev/vda rw\n",
+              marker=True)
     found = SystemProbes().mount(str(volume / "compile" / "vllm"))
     assert found == MountFacts(True, Mount(str(volume), "xfs", "/dev/vdb", "/volumes/cache/_data"))
     assert SystemProbes().mount(str(tmp_path / "elsewhere")).mount == Mount("/", "ext4", "/dev/vda", "/")
@@ -135,6 +137,21 @@ def test_the_probe_tells_a_container_by_its_overlay_root_or_its_marker(monkeypat
     fake_proc(monkeypatch, tmp_path, "1 0 0:50 / / rw - overlay overlay rw\n", marker=False)
     found = SystemProbes().mount(str(tmp_path))
     assert found.in_container and found.mount == Mount("/", "overlay", "overlay", "/")
+
+
+def test_a_host_made_from_a_container_image_is_no_container(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    # A VM or host whose root filesystem came from a container image keeps /.dockerenv, but no container
+    # engine mounted its root or its /etc files: the volume check does not apply, and says so.
+    fake_proc(monkeypatch, tmp_path, "1 0 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+                                     "2 1 0:22 / /sys rw - sysfs sysfs rw\n", marker=True)
+    assert SystemProbes().mount(str(tmp_path)) == MountFacts(False)
+    # Docker, Podman and Kubernetes mount /etc/hostname, /etc/hosts and /etc/resolv.conf into each container.
+    fake_proc(monkeypatch, tmp_path, "1 0 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+                                     "2 1 254:0 /var/lib/docker/containers/0a1b/resolv.conf /etc/resolv.conf rw "
+                                     "- ext4 /dev/vda rw\n", marker=False)
+    found = SystemProbes().mount(str(tmp_path))
+    assert found.in_container and found.mount == Mount("/", "ext4", "/dev/vda", "/")
 
 
 def test_the_probe_reports_unreadable_mounts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
