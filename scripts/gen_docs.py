@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write the reference tables in docs/ from the code, or check that the committed ones are current.
+"""Write the reference tables in docs/ (and README's list of subcommands) from the code, or check that
+the committed ones are current.
 
     python scripts/gen_docs.py            # rewrite every generated table in docs/
     python scripts/gen_docs.py --check    # exit 1, naming each page and table that differs; writes nothing
@@ -165,6 +166,18 @@ def commands_table() -> str:
         rows = _param_rows(cmd)
         out.append(_table(header, rows) if rows else "No arguments or options.")
     return "\n\n".join(out)
+
+
+def subcommands_list() -> str:
+    """README's table of the subcommands: each command that runs something, its arguments, what it does."""
+    rows = []
+    for path, cmd in _walk(_typer_root()):
+        if not path or getattr(cmd, "commands", None):
+            continue  # the root and the groups: their commands are listed
+        arguments = [(p.metavar or p.name).upper() + ("..." if p.nargs == -1 else "")
+                     for p in cmd.params if p.param_type_name == "argument"]
+        rows.append((_code(" ".join((*path, *arguments))), _rst_to_md(_first_sentence(cmd.help or ""))))
+    return _table(["Subcommand", "What it does"], rows)
 
 
 def runtime_flags_table() -> str:
@@ -504,13 +517,14 @@ def exit_codes_table() -> str:
 
 @dataclass(frozen=True)
 class Generated:
-    page: str  # relative to the docs directory
+    page: str  # relative to the docs directory (README.md is ../README.md)
     render: Callable[[], str]
 
 
 #: Every generated table: its marker name, the page it lives in, and the function that builds it.
 TABLES: dict[str, Generated] = {
     "commands": Generated("cli.md", commands_table),
+    "subcommands": Generated("../README.md", subcommands_list),
     "runtime-flags": Generated("cli.md", runtime_flags_table),
     "env-vars": Generated("environment.md", env_vars_table),
     "recipes": Generated("recipes.md", recipes_table),

@@ -58,6 +58,7 @@ def _current_copy(tmp_path: Path) -> Path:
     """A copy of docs/ with every generated table current, whatever the state of the committed one."""
     docs = tmp_path / "docs"
     shutil.copytree(DOCS, docs)
+    shutil.copy(DOCS.parent / "README.md", tmp_path / "README.md")  # its list of subcommands is generated too
     gen.write(docs)
     return docs
 
