@@ -67,8 +67,8 @@ def test_an_unknown_flag_first_is_refused_without_a_guess(capsys: pytest.Capture
     (["doctor", "--jsn"], "--jsn", "--json", "`carbonforge-runtime doctor --help` lists its options"),
     (["trace", "summarize", "--bogus", "t.jsonl"], "--bogus", None,
      "`carbonforge-runtime trace summarize --help` lists its options"),
-    (["sim", "t.csv", "--contex-key", TINY_KEY], "--contex-key", "--context-key",
-     "`carbonforge-runtime sim --help` lists its options"),
+    (["replay", "t.csv", "--base-ur", "http://127.0.0.1:8000/v1"], "--base-ur", "--base-url",
+     "`carbonforge-runtime replay --help` lists its options"),
 ])
 def test_an_unknown_option_after_the_first_is_reported_in_the_runtimes_style(
         args: list[str], name: str, suggestion: str | None, fix: str, capsys: pytest.CaptureFixture[str]) -> None:

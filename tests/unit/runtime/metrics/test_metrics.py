@@ -170,7 +170,8 @@ def test_data_parallel_ranks_are_labelled_and_add_up() -> None:
     state.on_engine_state(EngineState(EngineCounters(steps=30, waiting=4, running=2, tokens_scheduled_total=900,
                                                      requests_arrived_total=6), {"file": (5, 1)}), 1)
     text = exposition(make_registry(state.snapshot))
-    assert promtool_check(text).returncode == 0
+    if PROMTOOL is not None:  # the page's format is also checked by the promtool tests above, which skip without it
+        assert promtool_check(text).returncode == 0
     page = values(text)
     assert total(page, "carbonforge_requests_total", dp_rank="0", finish_reason="stop") == 3
     assert total(page, "carbonforge_requests_total", dp_rank="1", finish_reason="stop") == 5
