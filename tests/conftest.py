@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 
-from tests.support import tiny_model_dir
+from tests.support import STARTS, tiny_model_dir
 
 # Property tests check properties, not speed: a loaded CI machine must not fail them on time.
 settings.register_profile("carbonforge", deadline=None)
@@ -22,3 +22,9 @@ def tiny_model() -> str:
     return str(tiny_model_dir())
 
 
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many runtime processes the run started (each end-to-end start costs half a minute or more)."""
+    if STARTS:
+        terminalreporter.write_line(f"runtime processes started: {len(STARTS)}")

@@ -1,5 +1,9 @@
 """End to end: the command line means what it says with the real vLLM CPU engine, and `ready:` is
-printed only when the server answering the API port is the runtime's own engine."""
+printed only when the server answering the API port is the runtime's own engine.
+
+One engine takes the --context-key flag and vLLM flags after the double dash (port, served name, a
+sequence limit); its checks only read, and the last one kills the engine: the runtime must end with
+it. A foreign server on the API port gets an engine of its own (that engine never becomes ready)."""
 
 from __future__ import annotations
 
@@ -7,12 +11,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+import pytest
 
-from tests.support import TINY_KEY, RuntimeProcess, alive, descendants, free_port
+from tests.support import TINY_KEY, RuntimeProcess, alive, descendants, free_port, wait_until
+from tests.support.serving import chat_both_ways
 
 #: A foreign server: answers GET /health with 200 on the port given as argv[1].
 FOREIGN_SERVER = """
@@ -61,10 +68,13 @@ def test_a_foreign_server_on_the_api_port_is_not_taken_for_the_engine(tmp_path: 
         assert runtime.proc is not None
         seen: set[int] = set()
         try:
-            deadline = time.monotonic() + 120
-            while runtime.proc.poll() is None and time.monotonic() < deadline:
-                seen |= descendants(runtime.proc.pid)
-                time.sleep(0.02)
+            proc = runtime.proc
+
+            def exited() -> bool:  # noting every process it starts on the way
+                seen.update(descendants(proc.pid))
+                return proc.poll() is not None
+
+            wait_until(exited, 120, every_s=0.02)
             code = runtime.wait(30)
             out = runtime.output()
             assert code != 0, out
@@ -73,9 +83,11 @@ def test_a_foreign_server_on_the_api_port_is_not_taken_for_the_engine(tmp_path: 
             assert "foreign-health-server" in out  # the other process, named by its command line
             assert "stopping vLLM" in out and "Traceback" not in out
             assert "carbonforge-runtime starting vLLM" in runtime.engine_log()  # the engine was started
-            end = time.monotonic() + 20
-            while (left := {pid for pid in seen | engines_on(port) if alive(pid)}) and time.monotonic() < end:
-                time.sleep(0.2)
+            def engines_left() -> set[int]:
+                return {pid for pid in seen | engines_on(port) if alive(pid)}
+
+            wait_until(lambda: not engines_left(), 20)
+            left = engines_left()
             assert left == set(), "engine processes outlived the runtime:\n" + runtime.describe(left)
             # The runtime's own log file says the same.
             assert f"port {port} is served by another process" in (tmp_path / "runtime.log").read_text()
@@ -88,24 +100,65 @@ def test_a_foreign_server_on_the_api_port_is_not_taken_for_the_engine(tmp_path: 
         foreign.wait(10)
 
 
-def test_port_and_name_after_the_double_dash_are_the_ones_waited_on_and_announced(tmp_path: Path) -> None:
+@dataclass
+class FlaggedEngine:
+    runtime: RuntimeProcess
+    real_port: int
+
+
+@pytest.fixture(scope="module")
+def flagged_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlaggedEngine]:
+    """The tiny recipe from the --context-key flag with vLLM flags after the double dash: a sequence
+    limit, a port other than CF_PORT's and a served name of its own. The tests only read it until the
+    last one kills its engine."""
     settings_port, real_port = free_port(), free_port()
-    args = ["--context-key", TINY_KEY, "--", "--port", str(real_port), "--served-model-name", "tiny-alias"]
-    runtime = RuntimeProcess(args, tmp_path, port=real_port, env={"CF_PORT": str(settings_port)}).start()
+    args = ["--context-key", TINY_KEY, "--", "--max-num-seqs", "3", "--port", str(real_port),
+            "--served-model-name", "tiny-alias"]
+    runtime = RuntimeProcess(args, tmp_path_factory.mktemp("flagged-engine"), port=real_port,
+                             env={"CF_PORT": str(settings_port)}).start()
     try:
         runtime.wait_ready()
-        out = runtime.output()
-        assert f"ready: OpenAI API on http://127.0.0.1:{real_port}/v1 serving model 'tiny-alias'" in out
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{real_port}/v1", api_key="unused", timeout=120,
-                               max_retries=0)
-        response = client.chat.completions.create(model="tiny-alias", max_tokens=4,
-                                                  messages=[{"role": "user", "content": "Hello"}])
-        assert response.model == "tiny-alias"
-        # runtime.log beside vllm.log holds the runtime's own lines.
-        log_text = (tmp_path / "runtime.log").read_text()
-        assert f"ready: OpenAI API on http://127.0.0.1:{real_port}/v1" in log_text
-        assert (tmp_path / "vllm.log").exists()
-        assert runtime.stop(signal.SIGTERM, timeout_s=60) == 0, runtime.output()
-        assert runtime.leftover_children() == set()
+        yield FlaggedEngine(runtime, real_port)
     finally:
         runtime.kill()
+
+
+def test_port_and_name_after_the_double_dash_are_the_ones_waited_on_and_announced(
+    flagged_engine: FlaggedEngine,
+) -> None:
+    runtime, real_port = flagged_engine.runtime, flagged_engine.real_port
+    out = runtime.output()
+    assert f"ready: OpenAI API on http://127.0.0.1:{real_port}/v1 serving model 'tiny-alias'" in out
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{real_port}/v1", api_key="unused", timeout=120,
+                           max_retries=0)
+    response = client.chat.completions.create(model="tiny-alias", max_tokens=4,
+                                              messages=[{"role": "user", "content": "Hello"}])
+    assert response.model == "tiny-alias"
+    # runtime.log beside vllm.log holds the runtime's own lines.
+    log_text = (runtime.log_dir / "runtime.log").read_text()
+    assert f"ready: OpenAI API on http://127.0.0.1:{real_port}/v1" in log_text
+    assert (runtime.log_dir / "vllm.log").exists()
+
+
+def test_context_key_flag_with_extra_vllm_flags(flagged_engine: FlaggedEngine) -> None:
+    runtime = flagged_engine.runtime
+    out = runtime.output()
+    assert "extra vLLM flags depart from the benchmark: adds --max-num-seqs 3" in out
+    log = runtime.engine_log()
+    assert "'max_num_seqs': 3" in log  # vLLM's own "non-default args" line
+    chat_both_ways(runtime.base_url, "tiny-alias")
+
+
+def test_the_engine_dying_while_serving_ends_the_runtime(flagged_engine: FlaggedEngine) -> None:
+    """Last: the engine dying while serving ends the runtime with the same summary and a non-zero code,
+    and leaves no process of the engine behind. (A clean SIGTERM stop is checked on the default engine
+    in test_serve.py.)"""
+    runtime = flagged_engine.runtime
+    os.kill(runtime.engine_pid(), signal.SIGKILL)
+    code = runtime.wait(60)
+    out = runtime.output()
+    assert code != 0
+    assert "vLLM exited (code 137, killed by SIGKILL) while serving" in out
+    assert "last lines of" in out
+    assert wait_until(lambda: not runtime.leftover_children(), 20, every_s=0.5)
+    assert runtime.leftover_children() == set()

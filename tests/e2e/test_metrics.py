@@ -1,7 +1,8 @@
 """End to end on the real vLLM CPU engine: a real Prometheus scrapes ``--metrics``; energy_j comes from the
 scripted fake NVML (``CF_FAKE_NVML``); the controller acts on it and puts it back on SIGTERM.
 
-One engine session serves a burst of N concurrent requests. Prometheus (Debian's ``prometheus``
+One engine session serves a burst of N concurrent requests. (That nothing listens on the metrics port
+without ``--metrics`` is checked on the default engine in test_serve.py.) Prometheus (Debian's ``prometheus``
 package) runs as its own process with a temporary configuration that scrapes the runtime every second.
 """
 
@@ -11,7 +12,6 @@ import json
 import shutil
 import signal
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, free_port
+from tests.support import TINY_SERVED_NAME, RuntimeProcess, free_port, listening_ports, wait_until
 from tests.support.burst import send_burst_replies
 
 KEY = "cf-tiny-energy:bf16:chat:cpu"
@@ -45,29 +45,6 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 
 
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports a process listens on (from /proc: its socket inodes against the LISTEN table)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().as_posix()
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 class Prometheus:
     def __init__(self, target_port: int, workdir: Path) -> None:
         assert PROMETHEUS is not None
@@ -84,17 +61,16 @@ class Prometheus:
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             assert self.proc.poll() is None, (workdir / "prometheus.log").read_text()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
+                    return bool(response.status == 200)
             except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("prometheus did not become ready")
+                return False
+
+        wait_until(ready, 60, what="prometheus to become ready")
 
     def query(self, expr: str) -> float | None:
         url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -102,16 +78,6 @@ class Prometheus:
             body = json.load(response)
         result = body["data"]["result"]
         return float(result[0]["value"][1]) if result else None
-
-    def wait_for(self, expr: str, want: float, timeout_s: float = 30.0) -> float | None:
-        deadline = time.monotonic() + timeout_s
-        got = None
-        while time.monotonic() < deadline:
-            got = self.query(expr)
-            if got == want:
-                return got
-            time.sleep(0.5)
-        return got
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -173,9 +139,7 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     runtime = session.runtime
     assert session.metrics_port in listening_ports(runtime.proc.pid)  # type: ignore[union-attr]
     # idle after start-up: the controller saves (locks the SM clock below its maximum)
-    deadline = time.monotonic() + 30
-    while not any(c["call"] == "set_locked_clocks" for c in calls_of(session.calls)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: any(c["call"] == "set_locked_clocks" for c in calls_of(session.calls)), 30)
     assert [c["call"] for c in calls_of(session.calls)] == ["set_locked_clocks"], runtime.output()
 
     # From a child process, so the whole burst reaches the engine at once and the load rises sharply.
@@ -185,7 +149,8 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
 
     # 1. the real Prometheus saw every request
     prom = session.prometheus
-    assert prom.wait_for("sum(carbonforge_requests_total)", REQUESTS) == REQUESTS
+    total = "sum(carbonforge_requests_total)"
+    assert wait_until(lambda: prom.query(total) == REQUESTS, 30, every_s=0.5), prom.query(total)
     assert prom.query("sum(carbonforge_request_e2e_latency_seconds_count)") == REQUESTS
     assert prom.query("sum(carbonforge_request_queue_wait_seconds_count)") == REQUESTS
     assert prom.query("sum(carbonforge_request_time_to_first_token_seconds_count)") == REQUESTS
@@ -193,8 +158,10 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     assert prom.query('carbonforge_requests_total{finish_reason="length",scheduler_family="fcfs"}') == REQUESTS
     assert prom.query('carbonforge_gpu_power_watts{gpu="0"}') == WATTS
     # engine state arrives twice a second and is scraped every second: wait for the settled values
-    assert prom.wait_for("carbonforge_trace_records_written_total", REQUESTS) == REQUESTS
-    assert prom.wait_for("carbonforge_requests_running", 0) == 0
+    written = "carbonforge_trace_records_written_total"
+    assert wait_until(lambda: prom.query(written) == REQUESTS, 30, every_s=0.5), prom.query(written)
+    running = "carbonforge_requests_running"
+    assert wait_until(lambda: prom.query(running) == 0, 30, every_s=0.5), prom.query(running)
     with urllib.request.urlopen(f"http://127.0.0.1:{session.metrics_port}/metrics", timeout=5) as response:
         page = response.read()
     checked = subprocess.run([PROMTOOL, "check", "metrics"], input=page, capture_output=True,  # type: ignore[list-item]
@@ -202,9 +169,7 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     assert checked.returncode == 0 and not checked.stdout and not checked.stderr, checked
 
     # 2. energy_j on every record, adding up to the scripted counter's increase over the burst
-    deadline = time.monotonic() + 20
-    while len(read_trace(session.trace)) < REQUESTS and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: len(read_trace(session.trace)) >= REQUESTS, 20)
     records = read_trace(session.trace)
     assert len(records) == REQUESTS
     energies = [r["energy_j"] for r in records]
@@ -214,9 +179,7 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     assert prom.query("sum(carbonforge_request_energy_joules_total)") == pytest.approx(sum(energies), abs=1e-3)
 
     # 3. the rising load took the GPU back to full clocks; the idle after it saves again
-    deadline = time.monotonic() + 10
-    while [c["call"] for c in calls_of(session.calls)][-1:] != ["set_locked_clocks"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: [c["call"] for c in calls_of(session.calls)][-1:] == ["set_locked_clocks"], 10)
     kinds = [c["call"] for c in calls_of(session.calls)]
     assert kinds[:3] == ["set_locked_clocks", "reset_locked_clocks", "set_locked_clocks"], kinds
 
@@ -232,20 +195,3 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     assert "received SIGTERM" in out
     assert out.index("unlock the SM clock of GPU 0 (stopping)") < out.index("vLLM stopped")
     assert "Traceback" not in runtime.output()
-
-
-def test_without_metrics_nothing_listens_on_the_metrics_port(tmp_path: Path) -> None:
-    metrics_port = free_port()
-    runtime = RuntimeProcess(["--context-key", TINY_KEY], tmp_path,
-                             env={"CF_METRICS_PORT": str(metrics_port)}).start()
-    try:
-        deadline = time.monotonic() + 60
-        while "starting vLLM" not in runtime.output() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "starting vLLM" in runtime.output()  # past the point where --metrics would have bound its port
-        ports = listening_ports(runtime.proc.pid)  # type: ignore[union-attr]
-        assert 9105 not in ports and metrics_port not in ports
-        assert "metrics:" not in runtime.output()
-        assert runtime.stop(signal.SIGTERM, timeout_s=60) in (0, 1)
-    finally:
-        runtime.kill()

@@ -26,7 +26,7 @@ from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
 from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
 from carbonforge_runtime.offline.replay.trace import load_recording
 from carbonforge_runtime.offline.replay.workloads import window
-from tests.support import TINY_SERVED_NAME, RuntimeProcess
+from tests.support import TINY_SERVED_NAME, RuntimeProcess, wait_until
 
 AZURE = Path("/work/shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv")
 
@@ -51,17 +51,18 @@ class Engine:
 
     def records(self, ids: set[str], timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
         """The runtime's trace records of ``ids`` (waiting for the writer to flush them)."""
-        deadline = time.monotonic() + timeout_s
         found: dict[str, dict[str, Any]] = {}
-        while time.monotonic() < deadline:
+
+        def all_there() -> bool:
             if self.trace.exists():
                 for line in self.trace.read_text().splitlines():
                     record = json.loads(line)
                     if record["request_id"] in ids:
                         found[record["request_id"]] = record
-            if len(found) == len(ids):
-                return found
-            time.sleep(0.3)
+            return len(found) == len(ids)
+
+        if wait_until(all_there, timeout_s, every_s=0.3):
+            return found
         raise AssertionError(f"only {len(found)} of {len(ids)} trace records appeared:\n{self.runtime.output()}")
 
     async def complete(self, prompt: list[int], max_tokens: int) -> str:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support import REPO, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants
+from tests.support import REPO, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants, wait_until
 from tests.support.otlp_receiver import OtlpReceiver, TlsFiles, make_tls
 
 #: The header's value as the variable carries it (URL-encoded) and as the collector receives it.
@@ -60,15 +59,6 @@ def ask_all(runtime: RuntimeProcess, count: int) -> list[str]:
 
     with ThreadPoolExecutor(max_workers=count) as pool:
         return list(pool.map(one, range(count)))
-
-
-def wait_log(runtime: RuntimeProcess, pattern: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if re.search(pattern, runtime.engine_log()):
-            return True
-        time.sleep(0.25)
-    return False
 
 
 def assert_secret_absent(text: str, where: str) -> None:
@@ -112,7 +102,8 @@ def test_grpc_over_tls_with_a_header_delivers_spans_and_keeps_the_value_private(
                 assert_secret_absent(cmdline, f"/proc/{pid}/cmdline")
 
             ids = ask_all(runtime, 6)
-            spans = receiver.wait_for(6, timeout_s=30)
+            wait_until(lambda: len(receiver.snapshot()) >= 6, 30, every_s=0.05)
+            spans = receiver.snapshot()
             assert {s.attributes["cf.request_id"] for s in spans} == set(ids)
             assert all(s.name == "llm_request" and s.service_name == "carbonforge-scheduler" for s in spans)
             assert receiver.headers, "no export reached the receiver"
@@ -142,7 +133,8 @@ def test_http_over_tls_with_an_untrusted_certificate_serves_and_counts_every_dro
             runtime.wait_ready()
             ids = ask_all(runtime, 5)
             assert len(set(ids)) == 5  # serving is unaffected by the failing export
-            assert wait_log(runtime, r"sink OTLP http/protobuf \S+ failed.*TLS certificate not trusted", 60), \
+            untrusted = r"sink OTLP http/protobuf \S+ failed.*TLS certificate not trusted"
+            assert wait_until(lambda: runtime.engine_log_search(untrusted), 60), \
                 runtime.engine_log()[-3000:]
             assert runtime.stop(signal.SIGTERM, timeout_s=90) == 0, runtime.output()
         finally:

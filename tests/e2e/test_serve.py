@@ -1,44 +1,34 @@
-"""End to end: the runtime launches the real vLLM CPU engine; the real openai client talks to it."""
+"""End to end: the runtime launches the real vLLM CPU engine; the real openai client talks to it.
+
+One engine, the plain default, serves every check that only reads (the serve itself, no metrics
+port); the SIGTERM stop comes last. The two engines that cannot start are
+their own runs. Override mode is checked on the drain engine in test_faults.py; the context-key flag
+with extra vLLM flags and the engine's death on the command-line engine in test_command_line.py."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import openai
+import pytest
 
-from tests.support import REPO, TEST_RECIPES, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
-
-
-def chat_both_ways(base_url: str, model: str) -> None:
-    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
-    messages = [{"role": "user", "content": "What is the capital city of France?"}]
-    # 24 tokens: room for the tiny recipe's thinking budget (8) and an answer after it.
-    response = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
-                                              extra_body={"ignore_eos": True})
-    assert response.model == model
-    assert response.id.startswith("chatcmpl-")
-    assert response.usage is not None and response.usage.completion_tokens == 24
-    assert response.choices[0].message.content
-
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=20, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
-    pieces, usage = [], None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert pieces, "no streamed content"
-    assert usage is not None and usage.completion_tokens == 20 and usage.prompt_tokens > 0
-
+from tests.support import (
+    REPO,
+    TEST_RECIPES,
+    TINY_KEY,
+    TINY_SERVED_NAME,
+    RuntimeProcess,
+    free_port,
+    listening_ports,
+)
+from tests.support.serving import chat_both_ways, stop_cleanly
 
 #: The start-up phases of the CPU engine, in the order the runtime must report them.
 CPU_PHASES = ["launching processes", "loading weights", "compiling", "measuring memory for the KV cache",
@@ -66,37 +56,55 @@ def assert_startup_phases(out: str) -> None:
                          r"\(details in ", line), line
 
 
-def stop_cleanly(runtime: RuntimeProcess, drain_s: float) -> None:
-    children = set(runtime.known_children)
-    assert children, "the engine's processes were not seen"
-    started = time.monotonic()
-    code = runtime.stop(signal.SIGTERM, timeout_s=drain_s + 30)
-    elapsed = time.monotonic() - started
-    assert code == 0, runtime.output()
-    assert elapsed < drain_s + 15, f"stopping took {elapsed:.1f} s"
-    left = runtime.leftover_children()
-    assert left == set(), "engine processes survived the runtime:\n" + runtime.describe(left)
-    assert "vLLM stopped" in runtime.output()
+@dataclass
+class DefaultEngine:
+    runtime: RuntimeProcess
+    metrics_port: int
 
 
-def test_serves_cf_context_key_and_stops_on_sigterm(tmp_path: Path) -> None:
-    runtime = RuntimeProcess([], tmp_path, env={"CF_CONTEXT_KEY": TINY_KEY}).start()
+@pytest.fixture(scope="module")
+def default_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DefaultEngine]:
+    """The embedded default from CF_CONTEXT_KEY and no argument, as plain as a serve gets; the metrics
+    port is named, so that nothing listening there can be seen. Every test below only reads it; the
+    last one stops it."""
+    metrics_port = free_port()
+    runtime = RuntimeProcess([], tmp_path_factory.mktemp("default-engine"),
+                             env={"CF_CONTEXT_KEY": TINY_KEY, "CF_METRICS_PORT": str(metrics_port)}).start()
     try:
         runtime.wait_ready()
-        out = runtime.output()
-        assert f"ready: OpenAI API on http://127.0.0.1:{runtime.port}/v1 serving model '{TINY_SERVED_NAME}'" in out
-        assert "Traceback" not in out
-        assert_startup_phases(out)
-        # The runtime's own log stays short; the engine's goes to vllm.log (progress lines aside, whose
-        # number grows with the start-up time).
-        assert len([line for line in out.splitlines() if "engine starting, " not in line]) < 30
-        assert "vllm.entrypoints.openai.api_server" in runtime.engine_log()
-        chat_both_ways(runtime.base_url, TINY_SERVED_NAME)
-        assert container_healthcheck(runtime) == 0
-        stop_cleanly(runtime, drain_s=15)
-        assert container_healthcheck(runtime) == 1
+        yield DefaultEngine(runtime, metrics_port)
     finally:
         runtime.kill()
+
+
+def test_serves_cf_context_key(default_engine: DefaultEngine) -> None:
+    runtime = default_engine.runtime
+    out = runtime.output()
+    assert f"ready: OpenAI API on http://127.0.0.1:{runtime.port}/v1 serving model '{TINY_SERVED_NAME}'" in out
+    assert "Traceback" not in out
+    assert_startup_phases(out)
+    # The runtime's own log stays short; the engine's goes to vllm.log (progress lines aside, whose
+    # number grows with the start-up time).
+    assert len([line for line in out.splitlines() if "engine starting, " not in line]) < 30
+    assert "vllm.entrypoints.openai.api_server" in runtime.engine_log()
+    chat_both_ways(runtime.base_url, TINY_SERVED_NAME)
+    assert container_healthcheck(runtime) == 0
+
+
+def test_without_metrics_nothing_listens_on_the_metrics_port(default_engine: DefaultEngine) -> None:
+    runtime = default_engine.runtime
+    assert runtime.proc is not None
+    assert "starting vLLM" in runtime.output()  # past the point where --metrics would have bound its port
+    ports = listening_ports(runtime.proc.pid)
+    assert 9105 not in ports and default_engine.metrics_port not in ports
+    assert "metrics:" not in runtime.output()
+
+
+def test_sigterm_stops_the_default_engine_cleanly(default_engine: DefaultEngine) -> None:
+    """Last: the stop every read above shared."""
+    runtime = default_engine.runtime
+    stop_cleanly(runtime, drain_s=15)
+    assert container_healthcheck(runtime) == 1
 
 
 def container_healthcheck(runtime: RuntimeProcess) -> int:
@@ -104,44 +112,6 @@ def container_healthcheck(runtime: RuntimeProcess) -> int:
     (where the runtime records the address it serves)."""
     env = {**os.environ, "CF_PORT": str(runtime.port), "CF_LOG_DIR": str(runtime.log_dir)}
     return subprocess.run([sys.executable, str(REPO / "docker" / "healthcheck.py")], env=env, timeout=30).returncode
-
-
-def test_override_mode_serves_the_given_model(tmp_path: Path, tiny_model: str) -> None:
-    args = ["--", tiny_model, "--served-model-name", "tiny-override", "--dtype", "bfloat16",
-            "--max-model-len", "1024", "--shutdown-timeout", "5"]
-    runtime = RuntimeProcess(args, tmp_path, env={"CF_CONTEXT_KEY": TINY_KEY}).start()
-    try:
-        runtime.wait_ready()
-        assert "CF_CONTEXT_KEY is ignored" in runtime.output()
-        chat_both_ways(runtime.base_url, "tiny-override")
-        stop_cleanly(runtime, drain_s=5)
-    finally:
-        runtime.kill()
-
-
-def test_context_key_flag_with_extra_vllm_flags_and_engine_death(tmp_path: Path) -> None:
-    args = ["--context-key", TINY_KEY, "--", "--max-num-seqs", "3", "--served-model-name", "tiny-extra"]
-    runtime = RuntimeProcess(args, tmp_path).start()
-    try:
-        runtime.wait_ready()
-        out = runtime.output()
-        assert "extra vLLM flags depart from the benchmark: adds --max-num-seqs 3" in out
-        log = runtime.engine_log()
-        assert "'max_num_seqs': 3" in log  # vLLM's own "non-default args" line
-        chat_both_ways(runtime.base_url, "tiny-extra")
-        # The engine dying while serving ends the runtime with the same summary and a non-zero code.
-        os.kill(runtime.engine_pid(), signal.SIGKILL)
-        code = runtime.wait(60)
-        out = runtime.output()
-        assert code != 0
-        assert "vLLM exited (code 137, killed by SIGKILL) while serving" in out
-        assert "last lines of" in out
-        deadline = time.monotonic() + 20
-        while runtime.leftover_children() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert runtime.leftover_children() == set()
-    finally:
-        runtime.kill()
 
 
 def test_engine_that_cannot_start_is_reported_quickly(tmp_path: Path) -> None:

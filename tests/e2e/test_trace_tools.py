@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ from typer.testing import CliRunner
 
 from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.offline.trace_tools.sketch import ALPHA, MIN_VALUE
-from tests.support import TEST_RECIPES, TINY_SERVED_NAME, RuntimeProcess
+from tests.support import TEST_RECIPES, TINY_SERVED_NAME, RuntimeProcess, wait_until
 from tests.support.burst import send_burst
 
 KEY = "cf-tiny-q2:bf16:chat:cpu"
@@ -60,16 +59,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_for_records(path: Path, count: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    records = read_records(path)
-    while len(records) < count and time.monotonic() < deadline:
-        time.sleep(0.5)
-        records = read_records(path)
-    assert len(records) >= count, f"the trace holds {len(records)} records, expected {count}"
-    return records
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +101,9 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         burst = send_burst(runtime.base_url, TINY_SERVED_NAME,
                            [f"Burst request number {i}: write a long story." for i in range(BURST_REQUESTS)], 96)
         total = LIGHT_REQUESTS + BURST_REQUESTS + sum(len(ids) for ids in sent.values())
-        records = wait_for_records(trace, total)
+        wait_until(lambda: len(read_records(trace)) >= total, 60, every_s=0.5)
+        records = read_records(trace)
+        assert len(records) >= total, f"the trace holds {len(records)} records, expected {total}"
         yield {"base": base, "trace": trace, "records": records, "light": light, "burst": burst,
                "conversations": sent}
     finally:

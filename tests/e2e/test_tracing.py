@@ -7,7 +7,9 @@ Three engine sessions, each shared by the checks that need its configuration:
   requests, full-level text, queueing under a burst, then sink faults (collector stopped, trace
   file replaced by a directory) and the drop accounting reported at shutdown;
 * override mode, level ``standard``, JSONL + OTLP/HTTP: the HTTP transport, then SIGTERM under load;
-* recipe mode, a level without a sink: one warning, tracing off, serving works.
+
+A level without a sink (one warning, tracing off, serving works) is checked on the default engine in
+test_serve.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
+from tests.support import TINY_SERVED_NAME, RuntimeProcess, wait_until
 from tests.support.burst import send_burst
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -125,12 +127,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def wait_records(path: Path, count: int, timeout_s: float = 20.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = read_records(path)
-        if len(got) >= count:
-            return got
-        time.sleep(0.1)
+    wait_until(lambda: len(read_records(path)) >= count, timeout_s, every_s=0.1)
     return read_records(path)
 
 
@@ -145,23 +142,13 @@ def spans_accounted(s: Session, count: int, timeout_s: float = 40.0) -> tuple[li
     that answers an export after its deadline (this test's receiver shares a process with busy client
     threads) makes the sink retry and, after its last attempt, count a drop: delivered plus counted
     drops is the guarantee, and drops are reported every 10 s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = s.receiver.snapshot()
-        dropped = dropped_total(s.runtime.engine_log(), "OTLP grpc")
-        if len(spans) + dropped >= count or time.monotonic() > deadline:
-            return spans, dropped
-        time.sleep(0.5)
+    def dropped() -> int:
+        return dropped_total(s.runtime.engine_log(), "OTLP grpc")
+
+    wait_until(lambda: len(s.receiver.snapshot()) + dropped() >= count, timeout_s, every_s=0.5)
+    return s.receiver.snapshot(), dropped()
 
 
-def wait_log(runtime: RuntimeProcess, pattern: str, timeout_s: float) -> re.Match[str] | None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = re.search(pattern, runtime.engine_log())
-        if found:
-            return found
-        time.sleep(0.25)
-    return None
 
 
 def check_standard(record: dict[str, Any], answer: Answer, family: str) -> None:
@@ -316,7 +303,8 @@ class TestFullLevelRecipeSession:
         records = wait_records(s.trace, records_before + 8)
         assert {a.id for a in answers} <= {r["request_id"] for r in records}
         assert len(records) == records_before + 8
-        assert wait_log(s.runtime, r"sink OTLP grpc \S+ failed", 30), s.runtime.engine_log()[-3000:]
+        assert wait_until(lambda: s.runtime.engine_log_search(r"sink OTLP grpc \S+ failed"), 30), \
+            s.runtime.engine_log()[-3000:]
 
         # 2. the trace file is replaced by something unwritable: serving continues, drops are reported
         s.trace.unlink()
@@ -324,8 +312,10 @@ class TestFullLevelRecipeSession:
         more = send_all(s.client, 6, start=300)
         s.sent += 6
         assert all(a.completion_tokens > 0 for a in more)
-        assert wait_log(s.runtime, r"sink file \S+ failed", 30), s.runtime.engine_log()[-3000:]
-        assert wait_log(s.runtime, r"records dropped in the last [\d.]+ s: .*dropped by sink file", 40), \
+        assert wait_until(lambda: s.runtime.engine_log_search(r"sink file \S+ failed"), 30), \
+            s.runtime.engine_log()[-3000:]
+        dropped_line = r"records dropped in the last [\d.]+ s: .*dropped by sink file"
+        assert wait_until(lambda: s.runtime.engine_log_search(dropped_line), 40), \
             s.runtime.engine_log()[-3000:]
 
         # 3. at shutdown every record is accounted for: delivered + dropped = completed
@@ -367,7 +357,8 @@ def test_override_mode_http_export_and_sigterm_under_load(tmp_path: Path, tiny_m
             for answer in answers:
                 check_standard(by_id[answer.id], answer, family="fcfs")
                 assert "prompt_text" not in by_id[answer.id]
-            spans = receiver.wait_for(12, timeout_s=20)
+            wait_until(lambda: len(receiver.snapshot()) >= 12, 20, every_s=0.05)
+            spans = receiver.snapshot()
             assert {sp.attributes["cf.request_id"] for sp in spans} == set(by_id)
             for span in spans:
                 check_span(span, by_id[span.attributes["cf.request_id"]], full=False)
@@ -379,9 +370,7 @@ def test_override_mode_http_export_and_sigterm_under_load(tmp_path: Path, tiny_m
                 i: pool.submit(ask, client, 1000 + i, tokens, 1 + (i * 13) % 40, stream=i % 4 < 2)
                 for i, tokens in wanted.items()
             }
-            deadline = time.monotonic() + 120
-            while sum(f.done() for f in futures.values()) < 8 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: sum(f.done() for f in futures.values()) >= 8, 120, every_s=0.02)
             in_flight = 32 - sum(f.done() for f in futures.values())
             assert in_flight > 0, "the load finished before the signal"
             code = runtime.stop(signal.SIGTERM, timeout_s=120)
@@ -406,21 +395,3 @@ def test_override_mode_http_export_and_sigterm_under_load(tmp_path: Path, tiny_m
         assert not missing, f"{len(missing)} completed requests have no record after exit"
         for answer in complete:
             assert after[answer.id]["output_tokens"] == answer.completion_tokens
-
-
-# ---- session 3: a level without a sink ----------------------------------------------------------------
-
-
-def test_level_without_sink_warns_once_and_serves(tmp_path: Path) -> None:
-    runtime = RuntimeProcess(["--context-key", TINY_KEY, "--request-trace", "standard"], tmp_path).start()
-    try:
-        runtime.wait_ready()
-        answer = ask(client_for(runtime), 1, max_tokens=4, words=3, stream=False)
-        assert answer.completion_tokens == 4
-        out = runtime.output()
-        assert out.count("has no sink, so tracing stays off") == 1, out
-        assert "request trace off" in runtime.engine_log()
-        assert runtime.stop(signal.SIGTERM, timeout_s=90) == 0
-    finally:
-        runtime.kill()
-    assert not list(tmp_path.rglob("*.jsonl"))

@@ -4,19 +4,43 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_RECIPES = REPO / "tests" / "support" / "recipes"
 TINY_KEY = "cf-tiny:bf16:chat:cpu"
 TINY_SERVED_NAME = "carbonforge/tiny-chat"
+
+T = TypeVar("T")
+
+#: Runtime processes started by this test run (``RuntimeProcess.start``); the suite prints the count.
+STARTS: list[str] = []
+
+
+def wait_until(check: Callable[[], T], timeout_s: float, *, every_s: float = 0.2, what: str = "") -> T:
+    """Call ``check`` until it returns something true or ``timeout_s`` has passed; its last result.
+
+    With ``what``, running out of time is a failure ("timed out after N s waiting for WHAT");
+    without, the caller asserts on the result it gets back. ``check`` is always called once more at
+    the deadline, so a slow last poll still counts."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result or time.monotonic() >= deadline:
+            break
+        time.sleep(min(every_s, max(deadline - time.monotonic(), 0.0)))
+    if not result and what:
+        raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    return result
 
 
 def group_env(recipe: object) -> dict[str, str]:
@@ -64,6 +88,29 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports a process listens on (from /proc: its socket inodes against the LISTEN table)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().as_posix()
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -106,6 +153,7 @@ class RuntimeProcess:
 
     def start(self) -> RuntimeProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        STARTS.append(" ".join(self.args))
         with self.output_path.open("wb") as out:
             self.proc = subprocess.Popen(
                 [*self.python, *self.args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -125,21 +173,31 @@ class RuntimeProcess:
         except OSError:
             return ""
 
+    def engine_log_search(self, pattern: str) -> re.Match[str] | None:
+        """``pattern`` in vllm.log (a check to wait on)."""
+        return re.search(pattern, self.engine_log())
+
     def wait_ready(self, timeout_s: float = 400.0) -> RuntimeProcess:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"runtime exited ({self.proc.returncode}) before ready:\n{self.output()}\n"
-                                     f"--- vllm.log tail ---\n{self.engine_log()[-4000:]}")
-            if "ready: OpenAI API" in self.output():
-                with contextlib.suppress(OSError), urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.port}/health", timeout=2
-                ) as resp:
-                    if resp.status == 200:
-                        self.known_children = descendants(self.proc.pid)
-                        return self
-            time.sleep(0.5)
+        proc = self.proc
+        assert proc is not None
+
+        def ready_or_exited() -> bool:
+            if proc.poll() is not None:
+                return True
+            if "ready: OpenAI API" not in self.output():
+                return False
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                f"http://127.0.0.1:{self.port}/health", timeout=2
+            ) as resp:
+                return bool(resp.status == 200)
+            return False
+
+        if wait_until(ready_or_exited, timeout_s, every_s=0.5) and proc.poll() is None:
+            self.known_children = descendants(proc.pid)
+            return self
+        if proc.poll() is not None:
+            raise AssertionError(f"runtime exited ({proc.returncode}) before ready:\n{self.output()}\n"
+                                 f"--- vllm.log tail ---\n{self.engine_log()[-4000:]}")
         self.kill()
         raise AssertionError(f"runtime not ready within {timeout_s} s:\n{self.output()}\n"
                              f"--- vllm.log tail ---\n{self.engine_log()[-4000:]}")

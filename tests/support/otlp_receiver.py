@@ -9,7 +9,8 @@ one span per (trace id, span id), as a collector's store does, counts the copies
 
     with OtlpReceiver("grpc") as receiver:
         ... export to receiver.endpoint ...
-        spans = receiver.wait_for(3, timeout_s=10)
+        wait_until(lambda: len(receiver.snapshot()) >= 3, 10)   # tests.support.wait_until
+        spans = receiver.snapshot()
 
     tls = make_tls(tmp_path)           # a private CA and a server certificate for 127.0.0.1/localhost
     with OtlpReceiver("http", tls=tls) as receiver:   # https://127.0.0.1:PORT/v1/traces
@@ -24,7 +25,6 @@ import gzip
 import ipaddress
 import ssl
 import threading
-import time
 import zlib
 from concurrent import futures
 from dataclasses import dataclass
@@ -259,16 +259,6 @@ class OtlpReceiver:
     def snapshot(self) -> list[ReceivedSpan]:
         with self._lock:
             return list(self.spans)
-
-    def wait_for(self, count: int, timeout_s: float) -> list[ReceivedSpan]:
-        """Spans received so far, waiting up to ``timeout_s`` for at least ``count`` of them."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            spans = self.snapshot()
-            if len(spans) >= count:
-                return spans
-            time.sleep(0.05)
-        return self.snapshot()
 
     def __enter__(self) -> OtlpReceiver:
         return self.start()

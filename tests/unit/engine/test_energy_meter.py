@@ -20,6 +20,7 @@ from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
 from carbonforge_runtime.engine.trace_writer import TraceWriter
 from carbonforge_runtime.gpu.fake import FakeGpuSession
 from carbonforge_runtime.runtime.trace_options import TraceConfig
+from tests.support import wait_until
 
 LOG = logging.getLogger("test.energy")
 
@@ -201,9 +202,7 @@ def test_meter_off_means_null_and_a_failing_counter_turns_it_off(monkeypatch: py
         raise GpuError("gpu-lost", "GPU is lost")
 
     monkeypatch.setattr(fake, "energy_j", broken)
-    deadline = time.monotonic() + 5
-    while meter.enabled and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: not meter.enabled, 5, every_s=0.01)
     assert not meter.enabled
     assert meter.energy_for("x", time.time()) is None
     meter.step_ended(object(), time.monotonic(), {"x": 1})  # hooks are no-ops once off

@@ -22,6 +22,7 @@ from carbonforge_runtime.core.contract import TraceConfig
 from carbonforge_runtime.engine import trace_sinks
 from carbonforge_runtime.engine.trace_sinks import JsonlSink, PermanentSinkError, SinkError
 from carbonforge_runtime.engine.trace_writer import TraceWriter
+from tests.support import wait_until
 
 SECRET = "keep me\n"
 
@@ -266,8 +267,7 @@ def test_engine_cores_appending_at_once_keep_every_line_whole_when_one_hits_a_si
                                     stdout=subprocess.PIPE, text=True)
              for name, cap in (("a", 0), ("b", 0), ("limited", limit))}
     deadline = time.monotonic() + 60
-    while not all(Path(f"{go}.{name}").exists() for name in cores) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: all(Path(f"{go}.{name}").exists() for name in cores), 60, every_s=0.01)
     go.write_text("")
     reported = {}
     for name, proc in cores.items():

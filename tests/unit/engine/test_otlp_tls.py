@@ -10,6 +10,7 @@ import pytest
 from carbonforge_runtime.core.trace_record import Completion, build_record
 from carbonforge_runtime.engine.trace_sinks import OtlpSink, SinkError
 from carbonforge_runtime.runtime.trace_options import otlp_target
+from tests.support import wait_until
 from tests.support.otlp_receiver import OtlpReceiver, TlsFiles, make_tls
 
 SECRET = "Bearer%20tok-91c2e7"
@@ -49,7 +50,8 @@ def test_tls_export_with_headers_from_the_environment(protocol: str, certs: tupl
         sink = OtlpSink(otlp_target(receiver.endpoint, {}), timeout_s=5)
         sink.write(records(3))
         sink.close()
-        spans = receiver.wait_for(3, timeout_s=10)
+        wait_until(lambda: len(receiver.snapshot()) >= 3, 10, every_s=0.05)
+        spans = receiver.snapshot()
     assert sorted(s.attributes["cf.request_id"] for s in spans) == ["chatcmpl-t0", "chatcmpl-t1", "chatcmpl-t2"]
     assert receiver.headers and all(h["authorization"] == "Bearer tok-91c2e7" for h in receiver.headers)
     assert receiver.headers[0]["x-tenant"] == "acme"
@@ -81,7 +83,8 @@ def test_grpc_over_an_http_url_turns_tls_on_when_the_sdk_variable_says_so(
         sink = OtlpSink(otlp_target(f"http://127.0.0.1:{receiver.port}", {}), timeout_s=5)
         sink.write(records(2))
         sink.close()
-        assert len(receiver.wait_for(2, timeout_s=10)) == 2
+        wait_until(lambda: len(receiver.snapshot()) >= 2, 10, every_s=0.05)
+        assert len(receiver.snapshot()) == 2
 
 
 def test_make_tls_writes_a_ca_and_a_server_pair(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, Orde
 from carbonforge_runtime.core.ordering import registry as policy
 from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
 from carbonforge_runtime.errors import UsageError
+from tests.support import wait_until
 from tests.support.scheduler_harness import BLOCK, Engine, configure, records
 
 
@@ -240,9 +241,7 @@ def test_records_are_written_before_the_engine_leaves_its_loop_on_sigterm(
         engine.add("chatcmpl-inflight-0123abcd", list(range(1, 10)), max_tokens=3)
         engine.step()
         os.kill(os.getpid(), signal.SIGTERM)  # the drain starts with a request in flight
-        deadline = time.monotonic() + 5
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: seen, 5, every_s=0.01)
         assert seen == [signal.SIGTERM]  # vLLM's own handler still runs
         assert engine.scheduler.has_requests()  # still draining
         while engine.scheduler.has_requests():
@@ -296,9 +295,7 @@ def test_requests_still_running_at_the_drain_deadline_end_as_aborts_with_records
             engine.add(rid, list(range(1, 10)), max_tokens=400)
         engine.step()
         os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while not engine.scheduler._cf_stopping and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: engine.scheduler._cf_stopping, 5, every_s=0.01)
         _, outputs = engine.step()
         assert all(o.finish_reason is None for eco in outputs.values() for o in eco.outputs)  # still draining
         time.sleep(1.1)

@@ -20,6 +20,7 @@ from carbonforge_runtime.core.contract import CONTRACT_ENV, EnergyMetering, Engi
 from carbonforge_runtime.core.feed_protocol import EngineState, RequestSample
 from carbonforge_runtime.gpu.fake import FakeGpuSession
 from carbonforge_runtime.runtime.metrics.receiver import FeedReceiver
+from tests.support import wait_until
 from tests.support.scheduler_harness import Engine, records
 
 #: A pause per step long enough that the run lasts well over 1.5 s (about 140 steps) on any machine.
@@ -85,9 +86,7 @@ def test_the_feed_carries_records_and_counters_to_the_runtime(
             engine.add(f"chatcmpl-f{i}-0000000{i}", list(range(1, 20)), max_tokens=3)
         engine.run()
         engine.scheduler.shutdown()
-        deadline = time.monotonic() + 5
-        while (len(samples) < 5 or not states) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(samples) >= 5 and states, 5, every_s=0.02)
     finally:
         receiver.close()
     assert len(samples) == 5 and {s.output_tokens for s in samples} == {3}

@@ -40,6 +40,7 @@ from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.runtime import trace_options as trace_config
 from carbonforge_runtime.runtime.serve import create_trace_file
 from carbonforge_runtime.runtime.trace_options import otlp_target, resolve_trace_options
+from tests.support import wait_until
 from tests.support.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[3]
@@ -309,7 +310,8 @@ def test_otlp_sink_exports_one_span_per_record(protocol: str) -> None:
         sink = OtlpSink(target, timeout_s=5)
         sink.write(records)
         sink.close()
-        spans = receiver.wait_for(3, timeout_s=10)
+        wait_until(lambda: len(receiver.snapshot()) >= 3, 10, every_s=0.05)
+        spans = receiver.snapshot()
     assert len(spans) == 3
     by_id = {s.attributes["cf.request_id"]: s for s in spans}
     assert set(by_id) == {"chatcmpl-r0", "chatcmpl-r1", "chatcmpl-r2"}
@@ -336,10 +338,8 @@ def test_a_batch_sent_again_carries_the_same_span_ids() -> None:
         sink.write(records)
         sink.write(records)  # the writer's retry of the same batch
         sink.close()
-        receiver.wait_for(2, timeout_s=10)
-        deadline = time.monotonic() + 10
-        while receiver.copies < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(receiver.snapshot()) >= 2, 10, every_s=0.05)
+        wait_until(lambda: receiver.copies >= 2, 10, every_s=0.05)
     assert len(receiver.snapshot()) == 2 and receiver.copies == 2 and receiver.conflicts == []
     ids = {span.attributes["cf.request_id"]: (span.trace_id, span.span_id) for span in receiver.snapshot()}
     assert ids["chatcmpl-r0"] == tuple(f"{n:0{w}x}" for n, w in zip(span_ids(records[0]), (32, 16), strict=True))
@@ -435,9 +435,7 @@ def test_records_given_up_on_are_counted_and_reported(caplog: pytest.LogCaptureF
     writer = writer_for([healthy, dead], caplog, retry_attempts=2, batch_max=5)
     for i in range(12):
         writer.submit(i)
-    deadline = time.monotonic() + 10
-    while writer.dropped()["dead"] < 12 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: writer.dropped()["dead"] >= 12, 10, every_s=0.02)
     assert len(healthy.records) == 12
     assert writer.dropped()["dead"] == 12
     time.sleep(0.15)  # one report interval
@@ -467,9 +465,7 @@ def test_once_hurried_each_record_is_written_at_once(
     writer.hurry()
     for n in (1, 2):
         writer.submit(n)
-        deadline = time.monotonic() + 5
-        while len(sink.records) < n and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda n=n: len(sink.records) >= n, 5, every_s=0.001)
     assert sink.records == [{"n": 1}, {"n": 2}]
     writer.close()
 
@@ -510,9 +506,7 @@ def test_a_failing_sink_does_not_hold_up_shutdown(caplog: pytest.LogCaptureFixtu
                         backoff_max_s=0.05)
     for i in range(20):
         writer.submit(i)
-    deadline = time.monotonic() + 5
-    while not writer.workers[1].stats.failing and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: writer.workers[1].stats.failing, 5, every_s=0.01)
     started = time.monotonic()
     dropped = writer.close(timeout_s=5.0)
     assert time.monotonic() - started < 1.5
@@ -528,14 +522,11 @@ def test_writer_with_real_sinks_survives_a_file_replaced_by_a_directory(
     config = fast_config(file=str(path), retry_attempts=2)
     writer = TraceWriter(build_sinks(config), lambda item: {"n": item}, config, log).start()
     writer.submit(1)
-    deadline = time.monotonic() + 5
-    while (not path.exists() or not path.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: path.exists() and path.read_text(), 5, every_s=0.02)
     path.unlink()
     path.mkdir()
     writer.submit(2)
-    while writer.dropped()[f"file {path}"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: writer.dropped()[f"file {path}"] >= 1, 5, every_s=0.02)
     path.rmdir()
     writer.submit(3)
     dropped = writer.close()

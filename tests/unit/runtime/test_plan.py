@@ -20,7 +20,7 @@ from carbonforge_runtime.runtime import supervisor
 from carbonforge_runtime.runtime.plan import ServeOptions, build_plan, command_line, describe_plan
 from carbonforge_runtime.runtime.serve import serve
 from carbonforge_runtime.settings import load_settings
-from tests.support import group_env
+from tests.support import group_env, wait_until
 
 SHIPPED: dict[str, Recipe] = load_recipes(recipe_dirs(None))
 
@@ -164,13 +164,10 @@ def test_an_api_key_in_the_extra_arguments_never_reaches_argv_or_the_dry_run(
 
 def test_the_engine_log_shows_the_command_with_secrets_redacted(tmp_path: Path) -> None:
     import sys
-    import time as clock
 
     log = tmp_path / "vllm.log"
     engine = supervisor.EngineProcess([sys.executable, "-c", "pass", "--api-key", "sekrit-4"], {}, log)
     engine.start()
-    deadline = clock.monotonic() + 30
-    while engine.poll() is None and clock.monotonic() < deadline:
-        clock.sleep(0.05)
+    wait_until(lambda: engine.poll() is not None, 30, every_s=0.05)
     text = log.read_text()
     assert "--api-key <redacted>" in text and "sekrit-4" not in text

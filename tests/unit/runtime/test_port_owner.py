@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from carbonforge_runtime.runtime import supervisor
 from carbonforge_runtime.runtime.port_owner import describe_process, foreign_listener_problem, listeners
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 LOG = logging.getLogger("test-port-owner")
 #: Listens on the port given as argv[1] with SO_REUSEPORT, in a session of its own, until killed.
@@ -120,9 +119,7 @@ def test_supervise_does_not_declare_ready_on_a_foreign_health_answer(tmp_path: P
     assert any(f"port {port} is served by another process" in line and f"pid {os.getpid()}" in line
                for line in records), records
     assert engine.pid is not None
-    deadline = time.monotonic() + 5
-    while engine.group_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not engine.group_alive(), 5, every_s=0.05)
     assert not engine.group_alive()
 
 

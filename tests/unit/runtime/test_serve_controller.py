@@ -27,7 +27,7 @@ from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.runtime import supervisor
 from carbonforge_runtime.runtime.serve import ServeOptions, serve
 from carbonforge_runtime.settings import load_settings
-from tests.support import REPO, free_port
+from tests.support import REPO, free_port, wait_until
 
 KEY = "cf-energy-test:fp8:chat:h100x1"
 RECIPE = f"""
@@ -106,9 +106,7 @@ class Run:
         """On a helper thread: once ``condition()`` holds, do ``then()`` (the main thread runs serve)."""
 
         def watch() -> None:
-            deadline = time.monotonic() + timeout_s
-            while not condition() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(condition, timeout_s, every_s=0.05)
             then()
 
         threading.Thread(target=watch, daemon=True).start()

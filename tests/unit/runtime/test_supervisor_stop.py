@@ -16,7 +16,7 @@ import pytest
 
 from carbonforge_runtime.errors import DrainOverrun, StopForced
 from carbonforge_runtime.runtime import supervisor
-from tests.support import REPO, free_port
+from tests.support import REPO, free_port, wait_until
 
 LOG = logging.getLogger("test-supervisor")
 #: An engine that ignores SIGTERM (as vLLM does while it initialises) and never becomes ready.
@@ -24,14 +24,14 @@ DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time
 
 
 def group_gone(pgid: int, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    def gone() -> bool:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.05)
-    return False
+        return False
+
+    return wait_until(gone, within_s, every_s=0.05)
 
 
 def signal_later(stop: supervisor.StopFlag, after_s: float, times: int = 1, between_s: float = 0.0) -> None:
@@ -195,18 +195,12 @@ def test_sigkill_of_the_runtime_takes_the_whole_engine_group_with_it(tmp_path: P
                                stdout=subprocess.PIPE, text=True)
     assert runtime.stdout is not None
     pgid, watchdog = json.loads(runtime.stdout.readline())
-    deadline = time.monotonic() + 10
-    while len(group_members(pgid)) < 2 and time.monotonic() < deadline:  # the engine and its child
-        time.sleep(0.05)
+    wait_until(lambda: len(group_members(pgid)) >= 2, 10, every_s=0.05)  # the engine and its child
     assert len(group_members(pgid)) == 2
     runtime.kill()  # SIGKILL: no handler of ours runs
     runtime.wait(10)
-    deadline = time.monotonic() + 10
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not group_members(pgid), 10, every_s=0.1)
     assert group_members(pgid) == [], "engine processes outlived the runtime"
     assert watchdog is not None
-    deadline = time.monotonic() + 10
-    while running(watchdog) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not running(watchdog), 10, every_s=0.1)
     assert not running(watchdog), "the watchdog stayed after doing its job"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import time
 from dataclasses import replace
 
 import pytest
@@ -35,6 +34,7 @@ from carbonforge_runtime.recipes import load_recipes, recipe_dirs
 from carbonforge_runtime.runtime.energy.actuator import GpuActuator
 from carbonforge_runtime.runtime.energy.controller import Controller
 from carbonforge_runtime.runtime.privileges import parse_cap_sys_admin
+from tests.support import wait_until
 
 CAPACITY = 100
 PARAMS = ControllerParams(policy=POLICY_SM_CLOCK, capacity_seqs=CAPACITY, down_periods=3, hysteresis=0.05,
@@ -385,9 +385,7 @@ def test_a_failing_period_returns_to_full_performance() -> None:
     ctl.signals = broken
     ctl.params = replace(ctl.params, period_s=0.01)
     ctl.begin()
-    deadline = time.monotonic() + 5
-    while fake.state()[0] is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: fake.state()[0] is None, 5, every_s=0.01)
     ctl.stop()
     assert fake.state() == (None, 700.0)
     assert math.isinf(initial_state(PARAMS).guard_until_s)
