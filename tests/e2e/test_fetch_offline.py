@@ -2,8 +2,9 @@
 huggingface_hub's own code; the double is then stopped and the runtime serves the recipe from the
 cache with ``HF_HUB_OFFLINE=1`` on the CPU engine, answering the OpenAI SDK.
 
-Two runs, one engine each: the cache the engine reads by default (``HF_HOME``), and ``fetch --to DIR``
-served through ``HUGGINGFACE_HUB_CACHE=DIR`` while the default cache stays empty.
+One engine, on the cache it reads by default (``HF_HOME``). The other layout, ``fetch --to DIR`` read
+through ``HUGGINGFACE_HUB_CACHE=DIR`` while the default cache stays empty, is checked with ``doctor``
+in tests/unit/runtime/test_fetch_carried_cache.py: it differs only in where the cache is.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support import RuntimeProcess, free_port, tiny_model_dir
+from tests.support import RuntimeProcess, tiny_model_dir
 from tests.support.hub_double import (
     FETCH_KEY,
     FETCH_REPO,
@@ -79,19 +80,4 @@ def test_fetch_then_serve_offline_from_the_default_cache(recipes: Path, tmp_path
     assert (snapshot / "model.safetensors").is_file()
     # The double is gone: an engine that asked the hub for anything would fail to start.
     logs = _serve_and_ask(recipes, tmp_path / "logs", {"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint})
-    assert "ready: OpenAI API" in logs
-
-
-def test_fetch_to_a_directory_then_serve_it_through_huggingface_hub_cache(recipes: Path, tmp_path: Path) -> None:
-    carried = tmp_path / "carried"
-    output, commit, _ = _fetch([FETCH_KEY, "--to", str(carried)], recipes, tmp_path / "fetch-home")
-    assert f"HUGGINGFACE_HUB_CACHE={carried}" in output
-    empty_home = tmp_path / "serving-home"  # the serving host's own cache has nothing
-    empty_home.mkdir()
-    port = free_port()
-    logs = _serve_and_ask(recipes, tmp_path / "logs", {"HF_HOME": str(empty_home),
-                                                       "HUGGINGFACE_HUB_CACHE": str(carried),
-                                                       "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
-    assert not (empty_home / "hub" / "models--carbonforge-test--tiny-fetch").exists()
-    assert (snapshot_dir(carried, FETCH_REPO, commit) / "config.json").is_file()
     assert "ready: OpenAI API" in logs

@@ -2,9 +2,9 @@
 the tiny model with pipeline parallel 2 across them on vLLM's own multiprocessing launcher. Streamed
 chat completions go through the leader's API with the OpenAI SDK, the scheduler plug-in runs in the
 leader's engine (the plain variant: vLLM turns async scheduling off under pipeline parallel) and
-writes the trace; a SIGTERM to the leader stops both cleanly. A killed worker turns the leader's
-/health to 503 and stops the leader, naming the rank; a worker that never starts stops the leader
-after the join timeout, naming the rank; a killed leader stops its worker.
+writes the trace. On the same group, once those checks have read what they need, a killed worker
+turns the leader's /health to 503 and stops the leader, naming the rank. A worker that never starts
+stops the leader after the join timeout, naming the rank; a killed leader stops its worker.
 
 Data parallel on one host (two engine cores): each rank writes its own trace file, the directory
 summarizes as one trace, and /metrics keeps the ranks apart under dp_rank with sums that add up."""
@@ -25,17 +25,16 @@ from pathlib import Path
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import REPO, RuntimeProcess, descendants, free_port, tiny_model_dir
+from tests.support import REPO, RuntimeProcess, descendants, free_port, tiny_model_dir, wait_until
 
 
 def read_records(path: Path, count: int, timeout_s: float = 20.0) -> list[dict[str, object]]:
     """The trace's records once there are ``count`` of them (the sink writes shortly after completion)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        if len(records) >= count or time.monotonic() > deadline:
-            return records
-        time.sleep(0.5)
+    def records() -> list[dict[str, object]]:
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    wait_until(lambda: len(records()) >= count, timeout_s, every_s=0.5)
+    return records()
 
 
 def health(port: int) -> int | None:
@@ -73,16 +72,11 @@ def start_group(tmp_path: Path) -> tuple[RuntimeProcess, RuntimeProcess]:
     return leader, worker
 
 
-def wait_for_text(runtime: RuntimeProcess, text: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while text not in runtime.output():
-        if time.monotonic() > deadline or runtime.proc.poll() is not None:  # type: ignore[union-attr]
-            return text in runtime.output()
-        time.sleep(0.2)
-    return True
-
-
-def test_a_leader_and_a_headless_worker_serve_one_model_across_two_hosts(tmp_path: Path) -> None:
+def test_a_leader_and_a_headless_worker_serve_one_model_across_two_hosts_until_the_worker_is_killed(
+    tmp_path: Path,
+) -> None:
+    """One group for the serve and for the loss of a worker: what the serve checks only reads, and
+    the worker is killed last."""
     leader, worker = start_group(tmp_path)
     trace = tmp_path / "leader" / "trace.jsonl"
     try:
@@ -111,32 +105,21 @@ def test_a_leader_and_a_headless_worker_serve_one_model_across_two_hosts(tmp_pat
         assert "CarbonForge scheduler on vLLM Scheduler:" in engine_log  # the plug-in's own word: plain variant
         assert "CarbonForge scheduler on vLLM AsyncScheduler" not in engine_log
 
-        # SIGTERM to the leader: it drains, then tells the worker, which stops too; nothing is left
-        worker.known_children = descendants(worker.proc.pid)  # type: ignore[union-attr]
-        assert leader.stop(timeout_s=90) == 0
-        assert "vLLM stopped" in leader.output()
-        assert worker.wait(timeout_s=30) == 0
-        assert "stopped the group" in worker.output()
-        assert not leader.leftover_children() and not worker.leftover_children()
-    finally:
-        leader.kill()
-        worker.kill()
-
-
-def test_a_killed_worker_turns_the_leaders_health_to_503_and_stops_the_leader(tmp_path: Path) -> None:
-    leader, worker = start_group(tmp_path)
-    try:
-        leader.wait_ready(timeout_s=420)
-        # both sides have logged the join (the worker's runtime joins as it starts, before the leader's
-        # API is ready): killing the worker now is a loss the leader's watch sees, not a missing rank
-        assert wait_for_text(worker, "group: joined the leader 127.0.0.1", 60), worker.output()
-        assert wait_for_text(leader, "group: worker rank 1 joined (1 of 1 worker(s))", 10), leader.output()
+        # A killed worker turns the leader's /health to 503 and stops the leader, naming the rank.
+        # Both sides have logged the join (the worker's runtime joins as it starts, before the leader's
+        # API is ready): killing the worker now is a loss the leader's watch sees, not a missing rank.
+        assert wait_until(lambda: worker.says("group: joined the leader 127.0.0.1"), 60), worker.output()
+        assert wait_until(lambda: leader.says("group: worker rank 1 joined (1 of 1 worker(s))"), 10), leader.output()
+        assert health(leader.port) == 200
         os.kill(worker.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]  # its engine dies with it
         killed_at = time.monotonic()
-        statuses = set()
-        while leader.proc.poll() is None and time.monotonic() - killed_at < 30:  # type: ignore[union-attr]
+        statuses: set[int | None] = set()
+
+        def leader_stopped() -> bool:  # noting every /health answer until then
             statuses.add(health(leader.port))
-            time.sleep(0.2)
+            return leader.proc.poll() is not None  # type: ignore[union-attr]
+
+        wait_until(leader_stopped, 30)
         code = leader.wait(timeout_s=5)
         assert code == 1, leader.output()
         assert time.monotonic() - killed_at < 30
@@ -152,7 +135,7 @@ def test_a_worker_that_never_starts_stops_the_leader_naming_the_rank(tmp_path: P
     leader, _ = group_members(tmp_path, join_timeout_s=30)
     leader.start()
     try:
-        assert wait_for_text(leader, "group: watching 1 worker(s)", 60), leader.output()
+        assert wait_until(lambda: leader.says("group: watching 1 worker(s)"), 60), leader.output()
         watching_at = time.monotonic()
         time.sleep(5)  # vLLM's processes are up, waiting for rank 1
         leader.known_children = descendants(leader.proc.pid)  # type: ignore[union-attr]
@@ -171,8 +154,8 @@ def test_a_killed_leader_stops_its_worker(tmp_path: Path) -> None:
     leader, worker = start_group(tmp_path)
     try:
         # once the worker has joined (before that, a missing leader is waited for up to the join timeout)
-        assert wait_for_text(worker, "group: joined the leader", 120), worker.output()
-        assert wait_for_text(leader, "group: worker rank 1 joined (1 of 1 worker(s))", 10), leader.output()
+        assert wait_until(lambda: worker.says("group: joined the leader"), 120), worker.output()
+        assert wait_until(lambda: leader.says("group: worker rank 1 joined (1 of 1 worker(s))"), 10), leader.output()
         worker.known_children = descendants(worker.proc.pid)  # type: ignore[union-attr]
         # the leader's host goes away: the runtime and its engine die at once, nothing says goodbye
         os.killpg(leader.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
@@ -222,10 +205,11 @@ def test_data_parallel_ranks_write_their_own_trace_files_and_metrics_add_up(tmp_
         with ThreadPoolExecutor(8) as pool:  # concurrent, so vLLM's balancer uses both engine cores
             sent = list(pool.map(ask, range(24)))
         files = {rank: traces / f"requests.dp{rank}.jsonl" for rank in (0, 1)}
-        deadline = time.monotonic() + 20
-        while sum(len(f.read_text().splitlines()) for f in files.values() if f.exists()) < 24:
-            assert time.monotonic() < deadline, list(traces.iterdir())
-            time.sleep(0.5)
+
+        def lines_written() -> int:
+            return sum(len(f.read_text().splitlines()) for f in files.values() if f.exists())
+
+        assert wait_until(lambda: lines_written() >= 24, 20, every_s=0.5), list(traces.iterdir())
         per_rank = {rank: [json.loads(line) for line in f.read_text().splitlines()] for rank, f in files.items()}
         assert sorted(p.name for p in traces.iterdir()) == ["requests.dp0.jsonl", "requests.dp1.jsonl"]
         assert all(per_rank.values()), {rank: len(r) for rank, r in per_rank.items()}  # both ranks served
@@ -237,13 +221,12 @@ def test_data_parallel_ranks_write_their_own_trace_files_and_metrics_add_up(tmp_
         assert summary.returncode == 0, summary.stderr
         assert json.loads(summary.stdout)["records"] == 24
 
-        deadline = time.monotonic() + 10
-        while True:  # the feed reports every half second
-            page = scrape(metrics_port)
-            requests = {labels["dp_rank"]: value for labels, value in page.get("carbonforge_requests_total", [])}
-            if sum(requests.values()) >= 24 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        def counted() -> float:
+            return sum(value for _, value in scrape(metrics_port).get("carbonforge_requests_total", []))
+
+        wait_until(lambda: counted() >= 24, 10, every_s=0.5)  # the feed reports every half second
+        page = scrape(metrics_port)
+        requests = {labels["dp_rank"]: value for labels, value in page.get("carbonforge_requests_total", [])}
         assert requests == {str(rank): float(len(per_rank[rank])) for rank in (0, 1)}
         written = {labels["dp_rank"]: value for labels, value in page["carbonforge_trace_records_written_total"]
                    if labels["sink"] == "file"}

@@ -5,13 +5,12 @@ The runtime, vLLM's API server, its engine core and every other process they sta
 none may be a name lookup (port 53, which a local resolver would forward off the machine). The
 environment asks vLLM to report usage (``VLLM_NO_USAGE_STATS=0``, ``DO_NOT_TRACK=0``) and says nothing
 about the hub, so the run also proves that the runtime turns reporting off and serves offline itself.
+The reader of strace's lines is tests/support/connects.py, checked in tests/unit/runtime/test_no_network_connects.py.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -23,25 +22,16 @@ import openai
 import pytest
 
 from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants
+from tests.support.connects import connect_lines, is_local
 
 #: Only connect() is stopped on (``--seccomp-bpf``), so the engine runs at nearly its own speed.
 STRACE = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect", "-e", "signal=none"]
 #: strace slows the start-up; the plain e2e tests wait 400 s.
 READY_TIMEOUT_S = 900.0
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
-#: Families that never leave the machine.
-LOCAL_FAMILIES = {"AF_UNIX", "AF_LOCAL", "AF_NETLINK"}
 #: What the engine's environment must hold, whatever the runtime's environment said.
 ENGINE_SWITCHES = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
                    "TRANSFORMERS_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
-
-_FAMILY = re.compile(r"sa_family=(\w+)")
-_PORT = re.compile(r"sin6?_port=htons\((\d+)\)")
-#: A name lookup: on loopback too, since a local resolver (127.0.0.53, 127.0.0.11) forwards it out.
-DNS_PORT = 53
-_INET = re.compile(r'inet_addr\("([^"]*)"\)')
-_INET6 = re.compile(r'inet_pton\(AF_INET6,\s*"([^"]*)"')
-
 
 def strace_usable() -> str | None:
     """Why strace cannot trace here (not installed, ptrace refused), or None when it can."""
@@ -54,59 +44,6 @@ def strace_usable() -> str | None:
     if probe.returncode != 0:
         return f"ptrace is not permitted in this container: {probe.stderr.strip()[:300]}"
     return None
-
-
-def is_local(line: str) -> bool:
-    """Whether the connect() in one strace line targets this machine only."""
-    family = _FAMILY.search(line)
-    if family is None:
-        return False  # an address strace could not decode is not known to be local
-    name = family.group(1)
-    if name in LOCAL_FAMILIES:
-        return True
-    found = _INET.search(line) if name == "AF_INET" else _INET6.search(line) if name == "AF_INET6" else None
-    port = _PORT.search(line)
-    if found is None or (port is not None and int(port.group(1)) == DNS_PORT):
-        return False
-    try:
-        address = ipaddress.ip_address(found.group(1))
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
-
-
-def connect_lines(trace: str) -> list[str]:
-    """Every connect() call in strace's output (a resumed call repeats no address and is skipped)."""
-    return [line for line in trace.splitlines() if "connect(" in line and "resumed>" not in line]
-
-
-def test_the_connect_classifier() -> None:
-    """The parser on strace 6's own spellings, so that the run below cannot pass by misreading them."""
-    local = [
-        '12 connect(5, {sa_family=AF_INET, sin_port=htons(8000), sin_addr=inet_addr("127.0.0.1")}, 16) = 0',
-        '12 connect(5, {sa_family=AF_INET, sin_port=htons(9), sin_addr=inet_addr("127.8.9.1")}, 16 <unfinished ...>',
-        '12 connect(6, {sa_family=AF_INET6, sin6_port=htons(1), sin6_flowinfo=htonl(0), '
-        'inet_pton(AF_INET6, "::1", &sin6_addr), sin6_scope_id=0}, 28) = -1 ECONNREFUSED',
-        '12 connect(6, {sa_family=AF_INET6, sin6_port=htons(1), sin6_flowinfo=htonl(0), '
-        'inet_pton(AF_INET6, "::ffff:127.0.0.1", &sin6_addr), sin6_scope_id=0}, 28) = 0',
-        '12 connect(3, {sa_family=AF_UNIX, sun_path="/var/run/nscd/socket"}, 110) = -1 ENOENT',
-        '12 connect(3, {sa_family=AF_NETLINK, nl_pid=0, nl_groups=00000000}, 12) = 0',
-    ]
-    remote = [
-        '12 connect(3, {sa_family=AF_INET, sin_port=htons(80), sin_addr=inet_addr("8.8.8.8")}, 16) = 0',
-        '12 connect(3, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("10.0.0.2")}, 16) = 0',
-        '12 connect(6, {sa_family=AF_INET6, sin6_port=htons(443), sin6_flowinfo=htonl(0), '
-        'inet_pton(AF_INET6, "2001:4860:4860::8888", &sin6_addr), sin6_scope_id=0}, 28) = 0',
-        '12 connect(6, {sa_family=AF_INET6, sin6_port=htons(443), sin6_flowinfo=htonl(0), '
-        'inet_pton(AF_INET6, "::ffff:1.2.3.4", &sin6_addr), sin6_scope_id=0}, 28) = 0',
-        "12 connect(3, 0x7ffd5c1e2a40, 16) = -1 EFAULT",
-        '12 connect(3, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("127.0.0.53")}, 16) = 0',
-    ]
-    assert [is_local(line) for line in local] == [True] * len(local)
-    assert [is_local(line) for line in remote] == [False] * len(remote)
-    assert connect_lines("\n".join([*local, "12 <... connect resumed>) = 0", "13 +++ exited with 0 +++"])) == local
 
 
 @dataclass

@@ -60,7 +60,7 @@ def free_port() -> int:
 
 def tiny_model_dir() -> Path:
     """One copy of the built-in tiny model for the whole test run."""
-    from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
+    from carbonforge_runtime.runtime.weights.tiny_model import ensure_tiny_model
 
     base = Path(os.environ.get("CF_TEST_CACHE", Path.home() / ".cache" / "carbonforge-tests"))
     return ensure_tiny_model(base / "tiny-chat")
@@ -172,6 +172,10 @@ class RuntimeProcess:
             return (self.log_dir / "vllm.log").read_text(errors="replace")
         except OSError:
             return ""
+
+    def says(self, text: str) -> bool:
+        """``text`` is in the runtime's output (a check to wait on)."""
+        return text in self.output()
 
     def engine_log_search(self, pattern: str) -> re.Match[str] | None:
         """``pattern`` in vllm.log (a check to wait on)."""

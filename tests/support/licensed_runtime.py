@@ -86,3 +86,43 @@ class Signer:
         from carbonforge_runtime.runtime.licensing.core import assemble
 
         return str(assemble(payload, vendor_tool().sign(self.private, payload)))
+
+
+# --- the vendor tool as a command and the runtime through this launcher (licence tests on processes) ----
+
+PREMIUM_KEY = "cf-tiny-premium:bf16:chat:cpu"
+
+
+def tool(*args: str) -> str:
+    """``scripts/cf-license ARGS`` as the vendor runs it; its standard output."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, str(_TOOL), *args], capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def new_vendor(directory: Path) -> dict[str, str]:
+    """A fresh key pair made by the vendor tool in ``directory`` and the trusted-key entry for its public half."""
+    import json
+
+    key_file = directory / "e2e-key.json"
+    tool("keygen", "--key-id", "e2e-test-1", "--out", str(key_file))
+    public = json.loads(key_file.read_text())["public_key"]
+    return {"key_file": str(key_file), "trusted": f"e2e-test-1={public}"}
+
+
+def issue(vendor: dict[str, str], *extra: str) -> str:
+    return tool("issue", "--key", vendor["key_file"], "--licensee", "E2E Test Ltd", *extra).strip()
+
+
+def premium_runtime(log_dir: Path, vendor: dict[str, str], **env: str):  # type: ignore[no-untyped-def]
+    """The runtime asked for the premium test recipe, through this launcher, trusting ``vendor``'s key;
+    a RuntimeProcess not yet started (no licence file unless ``env`` names one)."""
+    from tests.support import TEST_RECIPES, RuntimeProcess
+
+    base = {"CF_RECIPES_DIR": str(TEST_RECIPES), TEST_KEYS_VAR: vendor["trusted"],
+            "CF_LICENSE_FILE": str(log_dir / "no-licence-here.key")}
+    return RuntimeProcess(["--context-key", PREMIUM_KEY], log_dir, env={**base, **env},
+                          python=[sys.executable, str(Path(__file__).resolve())])
