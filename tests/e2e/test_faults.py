@@ -3,7 +3,10 @@ and a free port; a drain that runs out of time still ends every request in exact
 dead proxy in the environment does not stop readiness nor the image's healthcheck.
 
 The drain runs on an override-mode engine (a model path after the double dash, CF_CONTEXT_KEY set and
-ignored), which first serves the override-mode checks; the SIGKILLs each need an engine of their own."""
+ignored), which first serves the override-mode checks. The SIGKILL while the engine initialises needs
+an engine of its own; the SIGKILLs while serving under load and while draining end two of the
+ordering engines (tests/e2e/test_ordering.py), whose checks are done by then. The helpers are
+tests/support/faults.py."""
 
 from __future__ import annotations
 
@@ -12,86 +15,21 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support import REPO, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, free_port, wait_until
+from tests.support import REPO, TINY_KEY, RuntimeProcess, free_port, wait_until
+from tests.support.faults import assert_gone_after_sigkill, group_members
 from tests.support.serving import chat_both_ways
-
-#: Within this time of the runtime's SIGKILL, nothing of the engine may be left.
-GONE_WITHIN_S = 10.0
-
-
-def group_members(pgid: int) -> set[int]:
-    """Live processes (zombies excluded) whose process group is ``pgid``, from /proc."""
-    members = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.add(int(entry.name))
-    return members
-
-
-def port_free(port: int) -> bool:
-    """A new server could listen on ``port`` (as servers do, with SO_REUSEADDR: the client
-    connections the kill cut off may linger in TIME_WAIT, but nothing listens there)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-            sock.listen()
-        except OSError:
-            return False
-    return True
-
-
-def assert_gone_after_sigkill(runtime: RuntimeProcess, moment: str) -> None:
-    """SIGKILL the runtime alone (not its group): the engine's whole group and the port must be
-    released within GONE_WITHIN_S, by the runtime's own kill path."""
-    assert runtime.proc is not None
-    pgid = runtime.engine_pid()  # the engine runs in a session (and group) of its own
-    members = group_members(pgid)
-    assert len(members) >= 2, f"{moment}: expected vLLM's processes, found {runtime.describe(members)}"
-    os.kill(runtime.proc.pid, signal.SIGKILL)
-    runtime.proc.wait(timeout=10)
-    wait_until(lambda: not group_members(pgid) and port_free(runtime.port), GONE_WITHIN_S)
-    left = group_members(pgid)
-    try:
-        assert not left, f"{moment}: engine processes outlived the runtime:\n{runtime.describe(left)}"
-        assert port_free(runtime.port), f"{moment}: port {runtime.port} still taken"
-    finally:
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    print(f"SIGKILL {moment}: {len(members)} engine processes gone and port free")
-
-
-def long_requests(runtime: RuntimeProcess, count: int, max_tokens: int) -> tuple[ThreadPoolExecutor, list[Future[int]]]:
-    client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
-
-    def one(i: int) -> int:
-        stream = client.chat.completions.create(
-            model=TINY_SERVED_NAME, messages=[{"role": "user", "content": f"Count to a thousand, {i}"}],
-            max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True})
-        return sum(1 for _ in stream)
-
-    pool = ThreadPoolExecutor(max_workers=count)
-    return pool, [pool.submit(one, i) for i in range(count)]
 
 
 def test_sigkill_while_the_engine_initialises_leaves_nothing(tmp_path: Path) -> None:
@@ -109,29 +47,6 @@ def test_sigkill_while_the_engine_initialises_leaves_nothing(tmp_path: Path) -> 
         assert_gone_after_sigkill(runtime, "while the engine initialises")
     finally:
         runtime.kill()
-
-
-@pytest.mark.parametrize("moment", ["serving under load", "draining"])
-def test_sigkill_while_serving_or_draining_leaves_nothing(tmp_path: Path, moment: str) -> None:
-    runtime = RuntimeProcess(["--context-key", TINY_KEY], tmp_path).start()
-    pool = None
-    try:
-        runtime.wait_ready()
-        pool, futures = long_requests(runtime, 6, max_tokens=1500)
-        time.sleep(2.0)  # the requests are running
-        assert not any(f.done() for f in futures), "the load ended before the kill"
-        if moment == "draining":
-            assert runtime.proc is not None
-            runtime.proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: "received SIGTERM: stopping vLLM" in runtime.output(), 20, every_s=0.1,
-                       what="the drain to start")
-            time.sleep(1.0)
-            assert runtime.proc.poll() is None, "the runtime finished its drain before the kill"
-        assert_gone_after_sigkill(runtime, moment)
-    finally:
-        runtime.kill()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
 
 
 @contextlib.contextmanager

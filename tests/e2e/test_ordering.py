@@ -6,6 +6,9 @@ The burst arrives while the engine is paused (vLLM's dev-mode ``/pause``), so it
 ``/resume`` its order of first scheduling (``t_arrival + queue_wait_s`` in the runtime's own trace)
 is checked. The
 fcfs session also replays a 200-request trace and checks it against the runtime's trace.
+
+Two of the engines end with a fault check of test_faults.py once their own checks are done: the fcfs
+engine with a SIGKILL of the runtime under load, the ltr-promptlen one with a SIGKILL while it drains.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
 from carbonforge_runtime.offline.replay.trace import load_recording
 from carbonforge_runtime.offline.replay.workloads import window
 from tests.support import TINY_SERVED_NAME, RuntimeProcess, wait_until
+from tests.support.faults import sigkill_under_load
 
 AZURE = Path("/work/shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv")
 
@@ -107,21 +111,34 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 4000) for _ in range(n)]
 
 
-@pytest.fixture()
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    family, params = request.param
-    recipes = tmp_path / "recipes"
+def family_engine(family: str, params: dict[str, Any], base: Path) -> Iterator[Engine]:
+    recipes = base / "recipes"
     recipes.mkdir()
     (recipes / f"{family}.yaml").write_text(recipe(family, params))
-    trace = tmp_path / "trace.jsonl"
+    trace = base / "trace.jsonl"
     runtime = RuntimeProcess(["--context-key", f"cf-tiny-{family}:bf16:chat:cpu", "--request-trace", "standard",
-                              "--trace-file", str(trace)], tmp_path / "logs", env={"CF_RECIPES_DIR": str(recipes)})
+                              "--trace-file", str(trace)], base / "logs", env={"CF_RECIPES_DIR": str(recipes)})
     runtime.start()
     try:
         runtime.wait_ready()
         yield Engine(runtime, trace)
     finally:
         runtime.kill()
+
+
+@pytest.fixture(scope="module")
+def fcfs_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    yield from family_engine("fcfs", {}, tmp_path_factory.mktemp("fcfs"))
+
+
+@pytest.fixture(scope="module")
+def ltr_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    yield from family_engine("ltr-promptlen", {"aging_rate": 0}, tmp_path_factory.mktemp("ltr-promptlen"))
+
+
+@pytest.fixture(scope="module")
+def affinity_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    yield from family_engine("affinity", {"aging_rate": 0}, tmp_path_factory.mktemp("affinity"))
 
 
 def first_scheduled_order(records: dict[str, dict[str, Any]], sent: list[str]) -> list[int]:
@@ -132,9 +149,9 @@ def first_scheduled_order(records: dict[str, dict[str, Any]], sent: list[str]) -
 PROMPT_SIZES = [400, 60, 300, 20, 220, 120, 350, 40]
 
 
-@pytest.mark.parametrize("engine", [("fcfs", {})], indirect=True)
-def test_fcfs_serves_in_arrival_order_and_the_replay_matches_the_runtime_trace(engine: Engine,
+def test_fcfs_serves_in_arrival_order_and_the_replay_matches_the_runtime_trace(fcfs_engine: Engine,
                                                                                tmp_path: Path) -> None:
+    engine = fcfs_engine
     prompts = [ids(i, n) for i, n in enumerate(PROMPT_SIZES)]
     sent, records = asyncio.run(engine.burst_while_paused(prompts))
     arrival_order = sorted(range(len(sent)), key=lambda i: records[sent[i]]["t_arrival"])
@@ -193,8 +210,14 @@ def test_fcfs_serves_in_arrival_order_and_the_replay_matches_the_runtime_trace(e
     print(detail)
 
 
-@pytest.mark.parametrize("engine", [("ltr-promptlen", {"aging_rate": 0})], indirect=True)
-def test_ltr_promptlen_serves_the_shortest_uncached_prompt_first(engine: Engine) -> None:
+def test_sigkill_while_serving_under_load_leaves_nothing(fcfs_engine: Engine) -> None:
+    """Last on the fcfs engine: the runtime SIGKILLed while six long requests run or queue (a fault
+    check of test_faults.py, on an engine whose own checks are done)."""
+    sigkill_under_load(fcfs_engine.runtime, "serving under load")
+
+
+def test_ltr_promptlen_serves_the_shortest_uncached_prompt_first(ltr_engine: Engine) -> None:
+    engine = ltr_engine
     prompts = [ids(100 + i, n) for i, n in enumerate(PROMPT_SIZES)]
     sent, records = asyncio.run(engine.burst_while_paused(prompts))
     shortest_first = sorted(range(len(sent)), key=lambda i: PROMPT_SIZES[i])
@@ -207,8 +230,14 @@ def test_ltr_promptlen_serves_the_shortest_uncached_prompt_first(engine: Engine)
         assert record["scheduler_family"] == "ltr-promptlen"
 
 
-@pytest.mark.parametrize("engine", [("affinity", {"aging_rate": 0})], indirect=True)
-def test_affinity_serves_requests_with_a_cached_prefix_first(engine: Engine) -> None:
+def test_sigkill_while_draining_leaves_nothing(ltr_engine: Engine) -> None:
+    """Last on the ltr-promptlen engine: the runtime SIGKILLed while its drain runs (a fault check of
+    test_faults.py, on an engine whose own checks are done)."""
+    sigkill_under_load(ltr_engine.runtime, "draining")
+
+
+def test_affinity_serves_requests_with_a_cached_prefix_first(affinity_engine: Engine) -> None:
+    engine = affinity_engine
     shared = ids(7, 256)
 
     async def run() -> tuple[list[str], dict[str, dict[str, Any]]]:

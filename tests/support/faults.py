@@ -1,0 +1,103 @@
+"""SIGKILL checks on a runtime serving the real engine: the engine's process group and the API port
+must be released by the runtime's own kill path."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from tests.support import TINY_SERVED_NAME, RuntimeProcess, wait_until
+
+#: Within this time of the runtime's SIGKILL, nothing of the engine may be left.
+GONE_WITHIN_S = 10.0
+
+
+def group_members(pgid: int) -> set[int]:
+    """Live processes (zombies excluded) whose process group is ``pgid``, from /proc."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.add(int(entry.name))
+    return members
+
+
+def port_free(port: int) -> bool:
+    """A new server could listen on ``port`` (as servers do, with SO_REUSEADDR: the client
+    connections the kill cut off may linger in TIME_WAIT, but nothing listens there)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        except OSError:
+            return False
+    return True
+
+
+def assert_gone_after_sigkill(runtime: RuntimeProcess, moment: str) -> None:
+    """SIGKILL the runtime alone (not its group): the engine's whole group and the port must be
+    released within GONE_WITHIN_S, by the runtime's own kill path."""
+    assert runtime.proc is not None
+    pgid = runtime.engine_pid()  # the engine runs in a session (and group) of its own
+    members = group_members(pgid)
+    assert len(members) >= 2, f"{moment}: expected vLLM's processes, found {runtime.describe(members)}"
+    os.kill(runtime.proc.pid, signal.SIGKILL)
+    runtime.proc.wait(timeout=10)
+    wait_until(lambda: not group_members(pgid) and port_free(runtime.port), GONE_WITHIN_S)
+    left = group_members(pgid)
+    try:
+        assert not left, f"{moment}: engine processes outlived the runtime:\n{runtime.describe(left)}"
+        assert port_free(runtime.port), f"{moment}: port {runtime.port} still taken"
+    finally:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    print(f"SIGKILL {moment}: {len(members)} engine processes gone and port free")
+
+
+def long_requests(runtime: RuntimeProcess, count: int, max_tokens: int) -> tuple[ThreadPoolExecutor, list[Future[int]]]:
+    client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
+
+    def one(i: int) -> int:
+        stream = client.chat.completions.create(
+            model=TINY_SERVED_NAME, messages=[{"role": "user", "content": f"Count to a thousand, {i}"}],
+            max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True})
+        return sum(1 for _ in stream)
+
+    pool = ThreadPoolExecutor(max_workers=count)
+    return pool, [pool.submit(one, i) for i in range(count)]
+
+
+def sigkill_under_load(runtime: RuntimeProcess, moment: str) -> None:
+    """A load of six long requests on a ready runtime; for "draining", SIGTERM first and the drain under
+    way; then the runtime SIGKILLed alone: nothing of the engine may be left and its port is free."""
+    pool = None
+    try:
+        pool, futures = long_requests(runtime, 6, max_tokens=1500)
+        time.sleep(2.0)  # the requests are running
+        assert not any(f.done() for f in futures), "the load ended before the kill"
+        if moment == "draining":
+            assert runtime.proc is not None
+            runtime.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "received SIGTERM: stopping vLLM" in runtime.output(), 20, every_s=0.1,
+                       what="the drain to start")
+            time.sleep(1.0)
+            assert runtime.proc.poll() is None, "the runtime finished its drain before the kill"
+        assert_gone_after_sigkill(runtime, moment)
+    finally:
+        runtime.kill()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
