@@ -39,7 +39,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     from carbonforge_runtime.core.step_models import resolve_model
-    from carbonforge_runtime.core.twin import TwinSettings
+    from carbonforge_runtime.core.twin_data import TwinSettings
     from carbonforge_runtime.engine.twin import run_twin
     from carbonforge_runtime.offline.sim.inputs import WindowOptions, load_trace, window
     from carbonforge_runtime.recipes import load_recipes, recipe_dirs, resolve

@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD_SUMMARIZE = """
 import json, sys, time
 from pathlib import Path
-from carbonforge_runtime.offline.trace_tools import summary
-from carbonforge_runtime.offline.trace_tools.summary import Summarizer
+from carbonforge_runtime.offline.trace_tools import summarize as summary
+from carbonforge_runtime.offline.trace_tools.summarize import Summarizer
 if len(sys.argv) > 2 and sys.argv[2] == "stdlib":
     summary.orjson = None
 wall, cpu = time.perf_counter(), time.process_time()
@@ -61,7 +61,7 @@ print(json.dumps({"records": n, "wall_s": time.perf_counter() - wall, "cpu_s": t
 
 CHILD_IMPORT = """
 import json
-import carbonforge_runtime.offline.trace_tools.summary
+import carbonforge_runtime.offline.trace_tools.summarize
 print(json.dumps({"records": 0, "wall_s": 0.0, "cpu_s": 0.0}))
 """
 

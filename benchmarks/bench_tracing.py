@@ -54,7 +54,7 @@ from benchmarks.harness import (  # noqa: E402
 )
 from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, TraceConfig  # noqa: E402
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs, resolve  # noqa: E402
-from carbonforge_runtime.runtime.launch_plan import build_recipe_plan  # noqa: E402
+from carbonforge_runtime.runtime.planning.command import build_recipe_plan  # noqa: E402
 from carbonforge_runtime.settings import load_settings  # noqa: E402
 
 WORDS = ("invoice", "payment", "dashboard", "overdue", "receipt", "terms", "billing", "history", "account",

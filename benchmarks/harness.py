@@ -307,7 +307,7 @@ class EngineProcess:
 
 def tiny_model_dir() -> Path:
     """The built-in tiny model, built on first use where the runtime keeps it (``CF_TINY_MODEL_DIR``)."""
-    from carbonforge_runtime.runtime.tiny_model import ensure_tiny_model
+    from carbonforge_runtime.runtime.weights.tiny_model import ensure_tiny_model
     from carbonforge_runtime.settings import load_settings
 
     return ensure_tiny_model(load_settings(os.environ).tiny_model_dir)

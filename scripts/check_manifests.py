@@ -41,8 +41,8 @@ import yaml
 from referencing import Registry, Resource
 
 from carbonforge_runtime.recipes.model import DEFAULT_DRAIN_TIMEOUT_S
-from carbonforge_runtime.runtime.launch_plan import DEFAULT_OVERRIDE_DRAIN_S
-from carbonforge_runtime.runtime.supervisor import SHUTDOWN_GRACE_S, stop_timeout_s
+from carbonforge_runtime.runtime.planning.command import DEFAULT_OVERRIDE_DRAIN_S
+from carbonforge_runtime.runtime.process.supervisor import SHUTDOWN_GRACE_S, stop_timeout_s
 from carbonforge_runtime.settings import load_settings
 
 REPO = Path(__file__).resolve().parent.parent

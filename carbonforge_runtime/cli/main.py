@@ -166,8 +166,8 @@ def serve(
                                            help="Port where the group meets on the leader (else CF_MASTER_PORT)."),
 ) -> None:
     """Serve a recipe (--context-key) or a vLLM command line given after --."""
-    from carbonforge_runtime.runtime.plan import ServeOptions
-    from carbonforge_runtime.runtime.serve import serve as do_serve
+    from carbonforge_runtime.runtime.planning.plan import ServeOptions
+    from carbonforge_runtime.runtime.serve.launch import serve as do_serve
 
     # The options above are ServeOptions' fields by name: one list of serve flags. --dry-run is the
     # runtime's wherever it stands, after -- too: it never reaches vLLM.
@@ -239,7 +239,7 @@ def doctor(
 @recipes_app.command("list")
 def recipes_list() -> None:
     """One line per recipe: key, plan, model, hardware."""
-    from carbonforge_runtime.runtime.serve import load_all_recipes
+    from carbonforge_runtime.runtime.serve.launch import load_all_recipes
 
     def run() -> None:
         recipes = load_all_recipes(_settings())
@@ -263,9 +263,9 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
     from carbonforge_runtime.core.redaction import redact_args
     from carbonforge_runtime.files import read_regular
     from carbonforge_runtime.recipes.loader import MAX_RECIPE_BYTES
-    from carbonforge_runtime.runtime.group import Group, place_command
-    from carbonforge_runtime.runtime.launch_plan import ENGINE_MODULE, build_recipe_plan
-    from carbonforge_runtime.runtime.serve import load_all_recipes
+    from carbonforge_runtime.runtime.group.placement import Group, place_command
+    from carbonforge_runtime.runtime.planning.command import ENGINE_MODULE, build_recipe_plan
+    from carbonforge_runtime.runtime.serve.launch import load_all_recipes
 
     def run() -> None:
         from carbonforge_runtime.recipes import resolve

@@ -70,9 +70,9 @@ def _run(trace: Path, base_url: str, model: str | None, api_key: str, rate: floa
          send_true_length: bool, quiet: bool) -> int:
     import asyncio
 
+    from carbonforge_runtime.offline.replay.aggregate import format_table
     from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
     from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
-    from carbonforge_runtime.offline.replay.summary import format_table
     from carbonforge_runtime.offline.replay.trace import ReplayError, load_recording
 
     low, high = _parse_token_ids(token_ids)

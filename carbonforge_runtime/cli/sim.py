@@ -39,7 +39,7 @@ def pin_hash_seed(argv: list[str]) -> None:
 def _parse_params(items: list[str]) -> dict[str, Any]:
     import yaml
 
-    from carbonforge_runtime.core.twin import SimError
+    from carbonforge_runtime.core.twin_data import SimError
 
     params: dict[str, Any] = {}
     for item in items:
@@ -116,7 +116,7 @@ def _records_path(output: Path) -> Path:
 
 
 def _check_output(path: Path, flag: str) -> None:
-    from carbonforge_runtime.core.twin import SimError
+    from carbonforge_runtime.core.twin_data import SimError
 
     if path.is_dir():
         raise SimError(f"{flag} {path} is a directory", f"pass {flag} FILE")
@@ -143,15 +143,15 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
          long_prefill_token_threshold: int | None, chunked_prefill: bool | None, prefix_caching: bool | None,
          async_scheduling: bool | None, mooncake_block_tokens: int, output: Path, records: Path | None,
          quiet: bool) -> int:
-    from carbonforge_runtime.core.twin import SimError
-    from carbonforge_runtime.offline.sim.report import (
+    from carbonforge_runtime.core.twin_data import SimError
+    from carbonforge_runtime.offline.sim.results import (
         build_document,
         dump_json,
         dump_jsonl,
         format_sim_table,
         write_atomically,
     )
-    from carbonforge_runtime.offline.sim.report import (
+    from carbonforge_runtime.offline.sim.results import (
         records as build_records,
     )
     from carbonforge_runtime.offline.sim.setup import KnobOverrides, at_load, prepare
@@ -203,7 +203,7 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
 
     run = run_twin(served, twin, cost, step_progress)
     if rejected:
-        from carbonforge_runtime.core.twin import SimOutcome
+        from carbonforge_runtime.core.twin_data import SimOutcome
 
         merged = {o.index: o for o in run.outcomes}
         for r in requests:
@@ -261,7 +261,7 @@ def calibrate_command(
 
 def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu: str,
                tensor_parallel_size: int | None, kv_tokens: int | None, skip_first: int) -> int:
-    from carbonforge_runtime.core.twin import SimError
+    from carbonforge_runtime.core.twin_data import SimError
     from carbonforge_runtime.offline.sim.calibrate import (
         ModelInfo,
         check_model_text,
@@ -272,7 +272,7 @@ def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu
         provenance,
         read_step_log,
     )
-    from carbonforge_runtime.offline.sim.report import write_atomically
+    from carbonforge_runtime.offline.sim.results import write_atomically
 
     _check_output(output, "--output")
     if output.exists() and step_log.exists() and output.resolve() == step_log.resolve():

@@ -21,7 +21,7 @@ _guard = run_guarded
 def _summarize(files: list[Path], window_s: float) -> Any:
     """Stream every file through one summarizer; damaged input is reported on stderr, not raised."""
     from carbonforge_runtime.offline.trace_reader import trace_files
-    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
+    from carbonforge_runtime.offline.trace_tools import summarize as summary_mod
 
     summarizer = summary_mod.Summarizer(window_s)
     try:
@@ -46,7 +46,7 @@ def summarize(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of text."),
 ) -> None:
     """Latency, queueing and throughput figures, per window and per scheduler family, with a verdict."""
-    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
+    from carbonforge_runtime.offline.trace_tools import summarize as summary_mod
 
     def run() -> None:
         window_s = summary_mod.parse_window(window)
@@ -107,7 +107,7 @@ def plot(
 ) -> None:
     """Latency and queue-wait percentile bands and the request rate over time, as a PNG (needs matplotlib)."""
     from carbonforge_runtime.offline.trace_tools import plot as plot_mod
-    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
+    from carbonforge_runtime.offline.trace_tools import summarize as summary_mod
 
     def run() -> None:
         window_s = summary_mod.parse_window(window)

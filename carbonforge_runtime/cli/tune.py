@@ -20,7 +20,7 @@ from carbonforge_runtime.cli.errors import run_guarded
 from carbonforge_runtime.cli.sim import HASH_SEED, twin_inputs
 
 if TYPE_CHECKING:
-    from carbonforge_runtime.core.twin import SimRequest, StepCostModel, TwinSettings
+    from carbonforge_runtime.core.twin_data import SimRequest, StepCostModel, TwinSettings
     from carbonforge_runtime.offline.sim.setup import Prepared
     from carbonforge_runtime.offline.sim.tune import Config, Figures, SearchResult, Slo
 
@@ -70,7 +70,7 @@ def tune_command(
 
 def _evaluate(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepCostModel) -> Figures:
     """One candidate on the twin; a configuration the twin or vLLM refuses is infeasible, not a failure."""
-    from carbonforge_runtime.core.twin import SimError
+    from carbonforge_runtime.core.twin_data import SimError
     from carbonforge_runtime.engine.twin import run_twin
     from carbonforge_runtime.offline.sim.tune import Figures, figures_of
 
@@ -141,7 +141,7 @@ def _sha256(path: Path) -> str:
 
 
 def _check_paths(output: Path, write: Path | None) -> None:
-    from carbonforge_runtime.core.twin import SimError
+    from carbonforge_runtime.core.twin_data import SimError
     from carbonforge_runtime.recipes.loader import shipped_recipes_dir
 
     if output.is_dir():
@@ -157,7 +157,7 @@ def _check_paths(output: Path, write: Path | None) -> None:
 def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: int, jobs: int | None, rate: float,
          load: float | None, token_scale: float, start: int, limit: int | None, cost_model: str | None,
          kv_tokens: int | None, mooncake_block_tokens: int, output: Path, write: Path | None, quiet: bool) -> int:
-    from carbonforge_runtime.core.twin import SimError
+    from carbonforge_runtime.core.twin_data import SimError
     from carbonforge_runtime.offline.sim.setup import at_load, prepare
     from carbonforge_runtime.offline.sim.tune import Config, build_patch, parse_goal, parse_slos, search
 
@@ -211,7 +211,7 @@ def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: in
               "measured_capacity_rps": capacity, "token_scale": token_scale,
               "mooncake_block_tokens": mooncake_block_tokens, "kv_tokens": prepared.twin.kv_tokens}
     document = _document(prepared, trace, goal_name, slos, budget, window, result, patch, len(served))
-    from carbonforge_runtime.offline.sim.report import dump_json, write_atomically
+    from carbonforge_runtime.offline.sim.results import dump_json, write_atomically
 
     written = _write_recipe(write, prepared, document) if write is not None else None
     write_atomically(output, dump_json(document))
@@ -307,7 +307,7 @@ def _write_recipe(directory: Path, prepared: Prepared, document: dict[str, Any])
     is written (whole or not at all)."""
     import yaml
 
-    from carbonforge_runtime.offline.sim.report import write_atomically
+    from carbonforge_runtime.offline.sim.results import write_atomically
     from carbonforge_runtime.offline.sim.tune import apply_patch, recipe_file_name
     from carbonforge_runtime.recipes.loader import load_recipe_file
     from carbonforge_runtime.recipes.model import recipe_from_mapping

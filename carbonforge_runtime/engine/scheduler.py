@@ -10,7 +10,8 @@ append: :mod:`~carbonforge_runtime.engine.step_log`); records leave through
 :class:`~carbonforge_runtime.engine.trace_writer.TraceWriter`, which never blocks the loop. A
 family that reorders replaces ``self.waiting`` with :class:`ScoredQueue`.
 
-This is the only module that imports vLLM.
+Like every module of the engine package (the only package that imports vLLM), it is written
+against vLLM 0.32's scheduler interface.
 """
 
 from __future__ import annotations

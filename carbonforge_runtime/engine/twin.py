@@ -2,7 +2,7 @@
 
 No model runs. Each step, vLLM's own ``Scheduler.schedule()`` admits, chunks, allocates KV blocks,
 finds prefix-cache hits and preempts, exactly as in the engine; a step-time model
-(:func:`carbonforge_runtime.core.twin.step_time_s`) says how long the forward pass would take; a
+(:func:`carbonforge_runtime.core.twin_data.step_time_s`) says how long the forward pass would take; a
 hand-made model output hands each request whose prompt is complete one token (a request part-way
 through its prompt gets none). Arrivals enter at step boundaries, as in the engine core. With
 asynchronous scheduling (vLLM's GPU default) one step stays in flight: step k+1 is scheduled
@@ -28,7 +28,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, Ordering
-from carbonforge_runtime.core.twin import Sample, SimError, SimOutcome, SimRequest, StepCostModel, TwinRun, TwinSettings
+from carbonforge_runtime.core.twin_data import (
+    Sample,
+    SimError,
+    SimOutcome,
+    SimRequest,
+    StepCostModel,
+    TwinRun,
+    TwinSettings,
+)
 from carbonforge_runtime.engine.scheduler import TRUE_OUTPUT_TOKENS_ARG, ScoredQueue, make_scheduler
 
 #: Steps between two progress calls.

@@ -40,7 +40,7 @@ VLLM_KNOBS: dict[str, type] = {
     "trust_remote_code": bool,
 }
 
-#: Built-in models the runtime generates itself (no download); see carbonforge_runtime.runtime.tiny_model.
+#: Built-in models the runtime generates itself (no download); see carbonforge_runtime.runtime.weights.tiny_model.
 BUILTIN_MODELS = ("tiny-chat",)
 
 

@@ -1,7 +1,7 @@
 """``carbonforge-runtime fetch``: put the weights a recipe serves into the hub cache ahead of serving.
 
 For each context key (or one ``--model REPO[@REVISION]``): the licence gate serving applies, then
-the download of exactly the files the engine reads (:mod:`~carbonforge_runtime.runtime.hf_cache`),
+the download of exactly the files the engine reads (:mod:`~carbonforge_runtime.runtime.weights.hub_cache`),
 at the revision the recipe pins, into the cache the engine reads, or into ``--to DIR`` (a hub cache
 directory to carry to an air-gapped host). The output ends with the ``docker run`` line that serves
 the result with no network.
@@ -18,10 +18,13 @@ from pathlib import Path
 from carbonforge_runtime import files
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs, resolve
-from carbonforge_runtime.runtime.checks import check_fetch_licence
-from carbonforge_runtime.runtime.compile_cache import IMAGE_DIR as COMPILE_CACHE_DIR
-from carbonforge_runtime.runtime.compile_cache import VOLUME_NAME as COMPILE_CACHE_VOLUME
-from carbonforge_runtime.runtime.hf_cache import (
+from carbonforge_runtime.runtime.doctor.preflight import check_fetch_licence
+from carbonforge_runtime.runtime.engine_env.compile_cache import IMAGE_DIR as COMPILE_CACHE_DIR
+from carbonforge_runtime.runtime.engine_env.compile_cache import VOLUME_NAME as COMPILE_CACHE_VOLUME
+from carbonforge_runtime.runtime.engine_env.privacy import hub_offline_choice, is_offline
+from carbonforge_runtime.runtime.planning.command import DEFAULT_OVERRIDE_DRAIN_S
+from carbonforge_runtime.runtime.process.supervisor import stop_timeout_s
+from carbonforge_runtime.runtime.weights.hub_cache import (
     FetchResult,
     download,
     format_bytes,
@@ -29,9 +32,6 @@ from carbonforge_runtime.runtime.hf_cache import (
     missing_summary,
     snapshot_state,
 )
-from carbonforge_runtime.runtime.launch_plan import DEFAULT_OVERRIDE_DRAIN_S
-from carbonforge_runtime.runtime.privacy import hub_offline_choice, is_offline
-from carbonforge_runtime.runtime.supervisor import stop_timeout_s
 from carbonforge_runtime.settings import DEFAULT_API_PORT, Settings
 
 #: The image the README builds (``docker build -t carbonforge-runtime .``).

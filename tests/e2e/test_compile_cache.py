@@ -18,7 +18,7 @@ from pathlib import Path
 
 import openai
 
-from carbonforge_runtime.runtime.compile_cache import CACHE_VARIABLES
+from carbonforge_runtime.runtime.engine_env.compile_cache import CACHE_VARIABLES
 from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess
 
 SAVED = re.compile(r"saved AOT compiled function to (\S+)")

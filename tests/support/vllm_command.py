@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from carbonforge_runtime.runtime.launch_plan import engine_args
-from carbonforge_runtime.runtime.vllm_args import normalise, read
+from carbonforge_runtime.runtime.planning.command import engine_args
+from carbonforge_runtime.runtime.vllm_cli.args import normalise, read
 
 
 def flags(argv: Sequence[str]) -> dict[str, str | None]:

@@ -53,20 +53,20 @@ READERS = {
     "ltr ranker model": ("from carbonforge_runtime.core.ordering.ltr import LtrModel", "LtrModel.load(Path(F))"),
     "ltr recipe parameter": ("from carbonforge_runtime.core.ordering.registry import make_family",
                              "make_family('hybrid', {'model': F})"),
-    "OTLP CA certificate": ("from carbonforge_runtime.runtime.trace_options import resolve_trace_options",
+    "OTLP CA certificate": ("from carbonforge_runtime.runtime.planning.trace_options import resolve_trace_options",
                             "resolve_trace_options('standard', None, 'https://c:4318', 'otlp', "
                             "{'OTEL_EXPORTER_OTLP_CERTIFICATE': F})"),
-    "OTLP client key": ("from carbonforge_runtime.runtime.trace_options import resolve_trace_options",
+    "OTLP client key": ("from carbonforge_runtime.runtime.planning.trace_options import resolve_trace_options",
                         "resolve_trace_options('standard', None, 'https://c:4318', 'otlp', "
                         "{'OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE': CERT, 'OTEL_EXPORTER_OTLP_CLIENT_KEY': F})"),
-    "vLLM --config": ("from carbonforge_runtime.runtime.model_arg import model_choices",
+    "vLLM --config": ("from carbonforge_runtime.runtime.vllm_cli.served_model import model_choices",
                       "model_choices(['--config', F])"),
     "trace input": ("from carbonforge_runtime.offline.trace_reader import check_readable",
                     "check_readable(Path(F))"),
     "licence file": ("from carbonforge_runtime.runtime.licensing.source import read_license\n"
                      "from carbonforge_runtime.settings import load_settings",
                      "raise SystemError(read_license(load_settings({'CF_LICENSE_FILE': F})).problem)"),
-    "API key file": ("from carbonforge_runtime.runtime.api_key import read_api_key\n"
+    "API key file": ("from carbonforge_runtime.runtime.serve.api_key import read_api_key\n"
                      "from carbonforge_runtime.settings import load_settings",
                      "read_api_key(load_settings({'CF_API_KEY_FILE': F}))"),
     "recipe file": ("from carbonforge_runtime.recipes.loader import load_recipe_file", "load_recipe_file(Path(F))"),

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from carbonforge_runtime import files
-from carbonforge_runtime.core.twin import SimError, StepCostModel
+from carbonforge_runtime.core.twin_data import SimError, StepCostModel
 
 #: A step-time model is a few lines of YAML; anything far larger is not one.
 MAX_MODEL_BYTES = 64 * 1024

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from carbonforge_runtime.offline.replay.aggregate import RequestOutcome, summarize
 from carbonforge_runtime.offline.replay.plan import PlannedRequest
-from carbonforge_runtime.offline.replay.summary import RequestOutcome, summarize
 from carbonforge_runtime.offline.replay.trace import ReplayError
 
 #: The request field (vLLM ``vllm_xargs``, which reaches the engine as ``sampling_params.extra_args``)

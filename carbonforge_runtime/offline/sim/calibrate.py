@@ -2,7 +2,7 @@
 
 Reads a step log (``serve --step-log``, :mod:`carbonforge_runtime.engine.step_log`) through the
 offline tools' bounded reader, and fits the twin's step-time model
-(:func:`carbonforge_runtime.core.twin.step_time_s`)
+(:func:`carbonforge_runtime.core.twin_data.step_time_s`)
 
 ``t = max(floor, a * batched) + b * kv_read + c * attention + overhead``  (milliseconds)
 
@@ -39,7 +39,7 @@ import yaml
 
 from carbonforge_runtime.core.quantiles import nearest_rank
 from carbonforge_runtime.core.step_models import model_from_mapping
-from carbonforge_runtime.core.twin import SimError, StepCostModel
+from carbonforge_runtime.core.twin_data import SimError, StepCostModel
 from carbonforge_runtime.offline.trace_reader import (
     MAX_REQUEST_TOKENS,
     DamagedInput,

@@ -1,4 +1,4 @@
-"""Traces the twin replays, read into :class:`~carbonforge_runtime.core.twin.SimRequest` lists.
+"""Traces the twin replays, read into :class:`~carbonforge_runtime.core.twin_data.SimRequest` lists.
 
 * Our JSONL traces (standard and full level) and the Azure CSV: read as ``replay`` reads them
   (:func:`carbonforge_runtime.offline.replay.trace.load_recording`). A full-level trace's prompt
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from carbonforge_runtime.core.twin import SimError, SimRequest
+from carbonforge_runtime.core.twin_data import SimError, SimRequest
 from carbonforge_runtime.offline.replay.trace import load_recording
 from carbonforge_runtime.offline.trace_reader import (
     MAX_REQUEST_TOKENS,

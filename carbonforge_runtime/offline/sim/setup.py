@@ -1,5 +1,5 @@
 """From a recipe and the command line's options to what the twin runs: the window of requests, the
-engine (:class:`~carbonforge_runtime.core.twin.TwinSettings`), the step-time model, and the requests
+engine (:class:`~carbonforge_runtime.core.twin_data.TwinSettings`), the step-time model, and the requests
 the API server would refuse. Shared by ``sim`` and ``tune``; imports no vLLM.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from carbonforge_runtime.core.twin import SimError, SimRequest, StepCostModel, TwinSettings
+from carbonforge_runtime.core.twin_data import SimError, SimRequest, StepCostModel, TwinSettings
 from carbonforge_runtime.offline.sim.inputs import SimTrace, WindowOptions
 from carbonforge_runtime.recipes.model import Recipe
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from carbonforge_runtime.core.ordering.families import BENCHMARK_ONLY
 from carbonforge_runtime.core.ordering.registry import FAMILIES
-from carbonforge_runtime.core.twin import SimError, TwinRun, TwinSettings
-from carbonforge_runtime.offline.replay.summary import latency_stats
+from carbonforge_runtime.core.twin_data import SimError, TwinRun, TwinSettings
+from carbonforge_runtime.offline.replay.aggregate import latency_stats
 
 # --- goals and SLOs ----------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.errors import CarbonForgeError
-from carbonforge_runtime.offline.trace_tools.summary import Percentiles, Summary, WindowStats, fmt_window, utc
+from carbonforge_runtime.offline.trace_tools.summarize import Percentiles, Summary, WindowStats, fmt_window, utc
 
 #: Figure size in pixels (width, height).
 WIDTH_PX, HEIGHT_PX = 1200, 900

@@ -431,7 +431,7 @@ def write_assignments(result: SessionsResult, out: Path) -> None:
 
 
 def render_text(result: SessionsResult, limit: int) -> str:
-    from carbonforge_runtime.offline.trace_tools.summary import fmt_s, utc
+    from carbonforge_runtime.offline.trace_tools.summarize import fmt_s, utc
 
     turns = [session.turns for session in result.sessions]
     out = [f"trace: {result.path}"]

@@ -7,7 +7,7 @@ Three layers, so that every rule can be tested without the machine it describes:
 * :mod:`.report` prints them as text or JSON.
 
 :func:`run_doctor` is the ``doctor`` command (and the bare launch). Serving runs the quick subset
-for its plan as its pre-flight (:func:`carbonforge_runtime.runtime.checks.preflight`).
+for its plan as its pre-flight (:func:`carbonforge_runtime.runtime.doctor.preflight.preflight`).
 """
 
 from __future__ import annotations

@@ -15,16 +15,6 @@ from dataclasses import dataclass
 from carbonforge_runtime import PINNED_VLLM_VERSION
 from carbonforge_runtime.gpu.types import GpuDevice, GpuProcess, GpuSnapshot
 from carbonforge_runtime.recipes.hardware import hardware_mismatches
-from carbonforge_runtime.runtime.compile_cache import (
-    ANONYMOUS,
-    EMPTY_DIR,
-    IMAGE_DIR,
-    MEMORY,
-    ROOT_LAYER,
-    VOLUME,
-    VOLUME_NAME,
-    persistence,
-)
 from carbonforge_runtime.runtime.doctor.facts import (
     PREFLIGHT,
     CompileCacheFacts,
@@ -47,9 +37,17 @@ from carbonforge_runtime.runtime.doctor.model import (
     WARN,
     Check,
 )
-from carbonforge_runtime.runtime.group import hardware_remedy
-from carbonforge_runtime.runtime.hf_cache import missing_summary
-from carbonforge_runtime.runtime.privacy import (
+from carbonforge_runtime.runtime.engine_env.compile_cache import (
+    ANONYMOUS,
+    EMPTY_DIR,
+    IMAGE_DIR,
+    MEMORY,
+    ROOT_LAYER,
+    VOLUME,
+    VOLUME_NAME,
+    persistence,
+)
+from carbonforge_runtime.runtime.engine_env.privacy import (
     MODELSCOPE_VARIABLE,
     USAGE_STATS_OFF,
     asks_for_reporting,
@@ -57,6 +55,8 @@ from carbonforge_runtime.runtime.privacy import (
     is_offline,
     uses_modelscope,
 )
+from carbonforge_runtime.runtime.group.placement import hardware_remedy
+from carbonforge_runtime.runtime.weights.hub_cache import missing_summary
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

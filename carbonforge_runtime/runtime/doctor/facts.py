@@ -24,7 +24,8 @@ from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
 from carbonforge_runtime.errors import CarbonForgeError, OverrideError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs, resolve
-from carbonforge_runtime.runtime.compile_cache import (
+from carbonforge_runtime.runtime.energy.privileges import read_cap_sys_admin
+from carbonforge_runtime.runtime.engine_env.compile_cache import (
     ROOT_VARIABLE,
     Mount,
     cache_location,
@@ -33,18 +34,17 @@ from carbonforge_runtime.runtime.compile_cache import (
     parse_mountinfo,
     resolve_root,
 )
-from carbonforge_runtime.runtime.group import GROUP_VARIABLES, resolve_group
-from carbonforge_runtime.runtime.hf_cache import (
+from carbonforge_runtime.runtime.engine_env.privacy import WATCHED_VARIABLES
+from carbonforge_runtime.runtime.group.placement import GROUP_VARIABLES, resolve_group
+from carbonforge_runtime.runtime.planning.command import LaunchPlan, build_recipe_plan, engine_args
+from carbonforge_runtime.runtime.vllm_cli.args import read
+from carbonforge_runtime.runtime.weights.hub_cache import (
     find_hub_snapshot,
     hub_cache_dir,
     served_snapshot,
     snapshot_has_weights,
     snapshot_state,
 )
-from carbonforge_runtime.runtime.launch_plan import LaunchPlan, build_recipe_plan, engine_args
-from carbonforge_runtime.runtime.privacy import WATCHED_VARIABLES
-from carbonforge_runtime.runtime.privileges import read_cap_sys_admin
-from carbonforge_runtime.runtime.vllm_args import read
 from carbonforge_runtime.settings import VARIABLES, Settings
 
 DOCTOR, PREFLIGHT = "doctor", "preflight"
@@ -160,7 +160,7 @@ class WeightsFacts:
     found_elsewhere: str | None = None
     #: The revision the recipe pins (None: the default branch).
     revision: str | None = None
-    #: Files the engine reads that the snapshot lacks (see runtime/hf_cache.py).
+    #: Files the engine reads that the snapshot lacks (see runtime/weights/hub_cache.py).
     missing: tuple[str, ...] = ()
 
 
@@ -207,7 +207,7 @@ class PortFacts:
 
 @dataclass(frozen=True)
 class GroupFacts:
-    """This host's place in a multi-host group (:mod:`~carbonforge_runtime.runtime.group`), and for a
+    """This host's place in a multi-host group (:mod:`~carbonforge_runtime.runtime.group.placement`), and for a
     worker whether the leader can be reached. ``problem`` is set when the group variables do not add up."""
 
     role: str = ""

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, replace
 
 from carbonforge_runtime import PINNED_VLLM_VERSION
 from carbonforge_runtime.recipes import Recipe
-from carbonforge_runtime.runtime.compile_cache import VOLUME_NAME, Mount
 from carbonforge_runtime.runtime.doctor.facts import (
     EngineFacts,
     LicenseFacts,
@@ -22,6 +21,7 @@ from carbonforge_runtime.runtime.doctor.facts import (
     PrivilegeFacts,
     RuntimeFacts,
 )
+from carbonforge_runtime.runtime.engine_env.compile_cache import VOLUME_NAME, Mount
 from carbonforge_runtime.settings import Settings
 
 GIB = 1024**3

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from carbonforge_runtime.core.energy_policy import Target
 from carbonforge_runtime.gpu.types import GpuError, GpuLimits, GpuSession
-from carbonforge_runtime.runtime.privileges import may_set_gpu
+from carbonforge_runtime.runtime.energy.privileges import may_set_gpu
 
 PERMISSION_REMEDY = ("run the container with --cap-add SYS_ADMIN (or as root) to let the controller act, "
                      "or set CF_DRY_RUN=1 to run it observe-only on purpose")

@@ -25,7 +25,7 @@ from carbonforge_runtime.core.energy_policy import (
 )
 from carbonforge_runtime.gpu.types import GpuError, GpuId, GpuLimits, GpuSession
 from carbonforge_runtime.runtime.energy.actuator import Action, GpuActuator, describe
-from carbonforge_runtime.runtime.privileges import may_set_gpu
+from carbonforge_runtime.runtime.energy.privileges import may_set_gpu
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from carbonforge_runtime.errors import LicenseError
-from carbonforge_runtime.runtime.model_arg import normalise_model_id
+from carbonforge_runtime.runtime.vllm_cli.served_model import normalise_model_id
 
 PREFIX = "cfl1"
 #: Anything longer is refused before any decoding. A real licence is well under 1 KiB.

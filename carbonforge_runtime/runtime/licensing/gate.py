@@ -1,7 +1,7 @@
 """The premium gate, called by every serving mode before anything starts.
 
 Recipe mode: a premium recipe needs a valid licence entitling its context key (or its model).
-Override mode: the model vLLM would serve (see :mod:`carbonforge_runtime.runtime.model_arg`) is
+Override mode: the model vLLM would serve (see :mod:`carbonforge_runtime.runtime.vllm_cli.served_model`) is
 premium when it belongs to any premium recipe; it then needs a licence entitling one of them.
 Either way a refusal is a :class:`LicenseInvalid` (exit code 4) raised before vLLM is started.
 
@@ -30,7 +30,8 @@ from carbonforge_runtime.runtime.licensing.core import (
     verify,
 )
 from carbonforge_runtime.runtime.licensing.source import ENV_VAR, LicenseSource, license_file, read_license
-from carbonforge_runtime.runtime.model_arg import (
+from carbonforge_runtime.runtime.vllm_cli.args import normalise
+from carbonforge_runtime.runtime.vllm_cli.served_model import (
     CONFIG_FLAG,
     model_choices,
     model_matches,
@@ -38,7 +39,6 @@ from carbonforge_runtime.runtime.model_arg import (
     read_config_file,
     resolve_model,
 )
-from carbonforge_runtime.runtime.vllm_args import normalise
 from carbonforge_runtime.settings import Settings
 
 NO_LICENSE = "no license key provided"

@@ -123,7 +123,7 @@ def test_the_serve_flags_are_declared_once() -> None:
 
     import typer.main
 
-    from carbonforge_runtime.runtime.plan import ServeOptions
+    from carbonforge_runtime.runtime.planning.plan import ServeOptions
 
     serve_command = typer.main.get_command(cli.app).commands["serve"]  # type: ignore[attr-defined]
     params = {p.name for p in serve_command.params if p.param_type_name == "option"}

@@ -43,7 +43,7 @@ def invoke(*args: str) -> object:
 
 def test_sim_writes_replays_result_shape_and_records_trace_summarize_reads(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from carbonforge_runtime.offline.replay.summary import summarize
+    from carbonforge_runtime.offline.replay.aggregate import summarize
 
     trace = mooncake(tmp_path / "m.jsonl")
     out = tmp_path / "out" / "r.json"

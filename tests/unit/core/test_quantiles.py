@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from carbonforge_runtime.core.quantiles import nearest_rank, quantile
-from carbonforge_runtime.offline.replay.summary import percentile
+from carbonforge_runtime.offline.replay.aggregate import percentile
 from carbonforge_runtime.offline.trace_tools.sketch import QuantileSketch, exact_quantile
 from carbonforge_runtime.runtime.metrics.state import RuntimeState
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from carbonforge_runtime.core.step_models import load_model_file, resolve_model, shipped_models
-from carbonforge_runtime.core.twin import SimError, step_time_s
+from carbonforge_runtime.core.twin_data import SimError, step_time_s
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs
 
 GOOD = """name: mine

@@ -19,7 +19,7 @@ from carbonforge_runtime.core.trace_record import Completion, build_record
 from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
 from carbonforge_runtime.engine.trace_writer import TraceWriter
 from carbonforge_runtime.gpu.fake import FakeGpuSession
-from carbonforge_runtime.runtime.trace_options import TraceConfig
+from carbonforge_runtime.runtime.planning.trace_options import TraceConfig
 from tests.support import wait_until
 
 LOG = logging.getLogger("test.energy")

@@ -9,7 +9,7 @@ import pytest
 
 from carbonforge_runtime.core.trace_record import Completion, build_record
 from carbonforge_runtime.engine.trace_sinks import OtlpSink, SinkError
-from carbonforge_runtime.runtime.trace_options import otlp_target
+from carbonforge_runtime.runtime.planning.trace_options import otlp_target
 from tests.support import wait_until
 from tests.support.otlp_receiver import OtlpReceiver, TlsFiles, make_tls
 

@@ -37,9 +37,9 @@ from carbonforge_runtime.engine.trace_sinks import (
 )
 from carbonforge_runtime.engine.trace_writer import TraceWriter
 from carbonforge_runtime.errors import UsageError
-from carbonforge_runtime.runtime import trace_options as trace_config
-from carbonforge_runtime.runtime.serve import create_trace_file
-from carbonforge_runtime.runtime.trace_options import otlp_target, resolve_trace_options
+from carbonforge_runtime.runtime.planning import trace_options as trace_config
+from carbonforge_runtime.runtime.planning.trace_options import otlp_target, resolve_trace_options
+from carbonforge_runtime.runtime.serve.launch import create_trace_file
 from tests.support import wait_until
 from tests.support.otlp_receiver import OtlpReceiver
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from carbonforge_runtime.core.twin import SimRequest, StepCostModel, TwinSettings
+from carbonforge_runtime.core.twin_data import SimRequest, StepCostModel, TwinSettings
 from carbonforge_runtime.engine.twin import prompt_tokens, run_twin
 
 STEP = 0.010
@@ -112,7 +112,7 @@ def test_the_aging_guard_reads_virtual_time(bound_s: float | None) -> None:
 
 
 def test_step_time_follows_the_model() -> None:
-    from carbonforge_runtime.core.twin import step_time_s
+    from carbonforge_runtime.core.twin_data import step_time_s
 
     model = StepCostModel(name="m", version=1, gpu="g", tensor_parallel_size=1, floor_ms=10.0,
                           per_batched_token_ms=0.1, per_kv_token_read_ms=0.001, attention_ms=0.0001,

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from carbonforge_runtime.core.twin import SimRequest, StepCostModel, TwinRun, TwinSettings
+from carbonforge_runtime.core.twin_data import SimRequest, StepCostModel, TwinRun, TwinSettings
 from carbonforge_runtime.engine.twin import run_twin
 
 # Coefficients that are not round numbers, so any change in the order of float additions shows.

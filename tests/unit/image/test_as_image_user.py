@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.runtime import serve_address, supervisor
-from carbonforge_runtime.runtime.plan import ServeOptions
-from carbonforge_runtime.runtime.serve import serve
+from carbonforge_runtime.runtime.planning.plan import ServeOptions
+from carbonforge_runtime.runtime.process import supervisor
+from carbonforge_runtime.runtime.serve import address as serve_address
+from carbonforge_runtime.runtime.serve.launch import serve
 from carbonforge_runtime.settings import load_settings
 from tests.support import REPO, TINY_KEY, free_port
 from tests.support.engine_double import Health
@@ -111,9 +112,10 @@ def api() -> Iterator[int]:
 
 LAUNCH = """
 import sys, types
-from carbonforge_runtime.runtime import supervisor, tiny_model
-from carbonforge_runtime.runtime.plan import ServeOptions
-from carbonforge_runtime.runtime.serve import serve
+from carbonforge_runtime.runtime.process import supervisor
+from carbonforge_runtime.runtime.weights import tiny_model
+from carbonforge_runtime.runtime.planning.plan import ServeOptions
+from carbonforge_runtime.runtime.serve.launch import serve
 from carbonforge_runtime.settings import load_settings
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 import os
@@ -157,7 +159,7 @@ def test_dry_run_doctor_launch_and_healthcheck_as_the_image_user(
 def test_the_launch_records_the_port_vllm_arguments_choose(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     port = free_port()
     monkeypatch.setattr(supervisor, "supervise", lambda *a, **k: type("R", (), {"exit_code": 0})())
-    monkeypatch.setattr("carbonforge_runtime.runtime.tiny_model.ensure_tiny_model", lambda path: path)
+    monkeypatch.setattr("carbonforge_runtime.runtime.weights.tiny_model.ensure_tiny_model", lambda path: path)
     env = {"CF_LOG_DIR": str(tmp_path), "CF_PORT": "8123", "CF_HOST": "::",
            "CF_VLLM_EXTRA_ARGS": f"--port {port}", "CF_TINY_MODEL_DIR": str(tmp_path / "tiny")}
     assert serve(ServeOptions(context_key=TINY_KEY, skip_preflight=True), load_settings(env), env,

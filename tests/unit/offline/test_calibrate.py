@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from carbonforge_runtime.core.step_models import shipped_models
-from carbonforge_runtime.core.twin import SimError, StepCostModel, step_time_s
+from carbonforge_runtime.core.twin_data import SimError, StepCostModel, step_time_s
 from carbonforge_runtime.offline.sim.calibrate import (
     MIN_STEPS,
     ModelInfo,

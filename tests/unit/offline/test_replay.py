@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from carbonforge_runtime.cli.main import app
+from carbonforge_runtime.offline.replay.aggregate import RequestOutcome, percentile, summarize
 from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
 from carbonforge_runtime.offline.replay.runner import TRUE_OUTPUT_TOKENS_ARG, RunOptions, run_replay
-from carbonforge_runtime.offline.replay.summary import RequestOutcome, percentile, summarize
 from carbonforge_runtime.offline.replay.trace import ReplayError, load_recording
 from carbonforge_runtime.offline.replay.workloads import prefill_heavy, templated, window
 from carbonforge_runtime.offline.trace_reader import TraceInputError
@@ -87,7 +87,8 @@ def test_nonsense_traces_are_refused_clearly(tmp_path: Path, name: str, text: st
 def test_a_missing_trace_is_told_what_replay_reads(tmp_path: Path) -> None:
     with pytest.raises(TraceInputError) as caught:
         load_recording(tmp_path / "azure.csv")
-    assert caught.value.remedy == "check the path (the trace is an Azure-format CSV or a trace written by serve's --trace-file)"
+    assert caught.value.remedy == ("check the path (the trace is an Azure-format CSV or a trace written by serve's "
+                                   "--trace-file)")
 
 
 def test_unreadable_traces_are_refused_by_the_shared_reader(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from carbonforge_runtime.core.twin import SimError, SimRequest, StepCostModel, TwinSettings
+from carbonforge_runtime.core.twin_data import SimError, SimRequest, StepCostModel, TwinSettings
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.offline.sim.inputs import WindowOptions, load_trace, text_blocks, window
 from carbonforge_runtime.offline.trace_reader import TraceInputError

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.offline.trace_tools.sessions import output_variants, reconstruct
 from carbonforge_runtime.offline.trace_tools.sketch import ALPHA, MIN_VALUE, QuantileSketch
-from carbonforge_runtime.offline.trace_tools.summary import Summarizer, parse_window
+from carbonforge_runtime.offline.trace_tools.summarize import Summarizer, parse_window
 
 runner = CliRunner()
 T0 = 1_789_038_000.0  # a whole hour, so windows start at phase boundaries
@@ -179,7 +179,7 @@ def test_summarize_gzip_and_plain_give_the_same_figures(tmp_path: Path) -> None:
 
 def test_standard_library_parser_gives_the_same_summary_and_bad_lines(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from carbonforge_runtime.offline.trace_tools import summary as summary_mod
+    from carbonforge_runtime.offline.trace_tools import summarize as summary_mod
 
     lines = [json.dumps(r) for r in synthetic_trace(500)]
     lines[10] = "{broken"

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from carbonforge_runtime.core.ordering.registry import make_family
-from carbonforge_runtime.core.twin import SimError, TwinSettings
+from carbonforge_runtime.core.twin_data import SimError, TwinSettings
 from carbonforge_runtime.offline.sim.tune import (
     PARAM_LADDERS,
     Config,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from carbonforge_runtime.runtime.hf_cache import snapshot_state
+from carbonforge_runtime.runtime.weights.hub_cache import snapshot_state
 from tests.support import free_port, tiny_model_dir
 from tests.support.hub_double import (
     FETCH_KEY,

@@ -19,10 +19,10 @@ from carbonforge_runtime import log as cflog
 from carbonforge_runtime.core.contract import TraceConfig
 from carbonforge_runtime.errors import CarbonForgeError
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.runtime import supervisor
 from carbonforge_runtime.runtime.fetch import _prepare_cache
-from carbonforge_runtime.runtime.plan import ServeOptions
-from carbonforge_runtime.runtime.serve import _create_trace_file, _log_dir, create_trace_file, serve
+from carbonforge_runtime.runtime.planning.plan import ServeOptions
+from carbonforge_runtime.runtime.process import supervisor
+from carbonforge_runtime.runtime.serve.launch import _create_trace_file, _log_dir, create_trace_file, serve
 from carbonforge_runtime.settings import load_settings
 from tests.support import TINY_KEY
 

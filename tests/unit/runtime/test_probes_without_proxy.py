@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from carbonforge_runtime.runtime.supervisor import http_ok
+from carbonforge_runtime.runtime.process.supervisor import http_ok
 from tests.support import REPO, free_port
 from tests.support.engine_double import Health
 

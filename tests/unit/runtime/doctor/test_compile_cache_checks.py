@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
-from carbonforge_runtime.runtime.checks import preflight
-from carbonforge_runtime.runtime.compile_cache import Mount
 from carbonforge_runtime.runtime.doctor import FAIL, OK, WARN, Check, DoctorRequest, SystemProbes, diagnose
 from carbonforge_runtime.runtime.doctor import facts as facts_module
 from carbonforge_runtime.runtime.doctor.facts import EngineFacts, MountFacts
 from carbonforge_runtime.runtime.doctor.fake import FIXED_NOW, FixedProbes
-from carbonforge_runtime.runtime.plan import ServeOptions
-from carbonforge_runtime.runtime.serve import prepare
+from carbonforge_runtime.runtime.doctor.preflight import preflight
+from carbonforge_runtime.runtime.engine_env.compile_cache import Mount
+from carbonforge_runtime.runtime.planning.plan import ServeOptions
+from carbonforge_runtime.runtime.serve.launch import prepare
 from carbonforge_runtime.settings import load_settings
 
 CPU_KEY = "cf-tiny:bf16:chat:cpu"

@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.gpu.nvml import NvmlBackend
-from carbonforge_runtime.runtime.checks import PreflightFailed, preflight
 from carbonforge_runtime.runtime.doctor import FAIL, WARN, DoctorRequest, diagnose
 from carbonforge_runtime.runtime.doctor.facts import EngineFacts
 from carbonforge_runtime.runtime.doctor.fake import FixedProbes
-from carbonforge_runtime.runtime.serve import ServeOptions, prepare, serve
+from carbonforge_runtime.runtime.doctor.preflight import PreflightFailed, preflight
+from carbonforge_runtime.runtime.serve.launch import ServeOptions, prepare, serve
 from carbonforge_runtime.settings import load_settings
 from tests.support import free_port
 
@@ -165,7 +165,7 @@ class EngineStarted(Exception):
 
 def test_serve_stops_before_the_engine_on_a_busy_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str], tiny_model: str) -> None:
-    from carbonforge_runtime.runtime import supervisor
+    from carbonforge_runtime.runtime.process import supervisor
 
     def no_engine(*args: object, **kwargs: object) -> None:
         raise EngineStarted

@@ -17,7 +17,7 @@ import pytest
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.runtime.doctor import FAIL, OK, WARN, Check, DoctorRequest, SystemProbes, diagnose
 from carbonforge_runtime.runtime.doctor.facts import find_hub_snapshot, hub_cache_dir
-from carbonforge_runtime.runtime.privileges import parse_cap_sys_admin
+from carbonforge_runtime.runtime.energy.privileges import parse_cap_sys_admin
 from tests.support import REPO, free_port
 
 L4_KEY = "qwen2.5-0.5b:fp8:chat:l4x1"

@@ -14,10 +14,10 @@ import pytest
 
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, device, host, host_of, process
 from carbonforge_runtime.gpu.types import GpuSnapshot
-from carbonforge_runtime.runtime.compile_cache import Mount
 from carbonforge_runtime.runtime.doctor import DoctorRequest, diagnose, render_json, render_text
 from carbonforge_runtime.runtime.doctor.facts import EngineFacts, LicenseFacts, MountFacts, OtelFacts, PrivilegeFacts
 from carbonforge_runtime.runtime.doctor.fake import FIXED_NOW, FixedProbes
+from carbonforge_runtime.runtime.engine_env.compile_cache import Mount
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 

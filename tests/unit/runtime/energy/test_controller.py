@@ -33,7 +33,7 @@ from carbonforge_runtime.gpu.types import GpuLimits
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs
 from carbonforge_runtime.runtime.energy.actuator import GpuActuator
 from carbonforge_runtime.runtime.energy.controller import Controller
-from carbonforge_runtime.runtime.privileges import parse_cap_sys_admin
+from carbonforge_runtime.runtime.energy.privileges import parse_cap_sys_admin
 from tests.support import wait_until
 
 CAPACITY = 100

@@ -13,7 +13,7 @@ from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
 from carbonforge_runtime.runtime.licensing import LicenseInvalid
 from carbonforge_runtime.runtime.licensing.gate import CANNOT_GATE_DRAFT, draft_models, gate_draft_models
-from carbonforge_runtime.runtime.serve import ServeOptions, prepare
+from carbonforge_runtime.runtime.serve.launch import ServeOptions, prepare
 from carbonforge_runtime.settings import load_settings
 from tests.support import TINY_KEY
 from tests.support.licensed_runtime import Signer

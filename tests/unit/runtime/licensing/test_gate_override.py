@@ -16,7 +16,7 @@ from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
 from carbonforge_runtime.runtime.licensing import LicenseInvalid, keys
 from carbonforge_runtime.runtime.licensing.gate import gate_override, premium_owners
-from carbonforge_runtime.runtime.model_arg import CANNOT_GATE, model_matches, resolve_model
+from carbonforge_runtime.runtime.vllm_cli.served_model import CANNOT_GATE, model_matches, resolve_model
 from carbonforge_runtime.settings import load_settings
 from tests.support import TEST_RECIPES
 from tests.support.licensed_runtime import Signer

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from carbonforge_runtime.errors import LicenseError
-from carbonforge_runtime.runtime.model_arg import resolve_model
+from carbonforge_runtime.runtime.vllm_cli.served_model import resolve_model
 
 pytest.importorskip("vllm")
 

@@ -28,15 +28,15 @@ from carbonforge_runtime.core.feed_protocol import (
 from carbonforge_runtime.engine.metrics_feed import FeedSink
 from carbonforge_runtime.errors import CarbonForgeError
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, FakeGpuSession, host
-from carbonforge_runtime.runtime import observability as metrics_runtime
 from carbonforge_runtime.runtime.energy.controller import Controller
 from carbonforge_runtime.runtime.metrics.exposition import exposition, make_registry
 from carbonforge_runtime.runtime.metrics.receiver import FeedReceiver
 from carbonforge_runtime.runtime.metrics.state import Info, RuntimeState
-from carbonforge_runtime.runtime.observability import Needs, start_observability
-from carbonforge_runtime.runtime.serve import ServeOptions, prepare
+from carbonforge_runtime.runtime.serve import observability as metrics_runtime
+from carbonforge_runtime.runtime.serve.launch import ServeOptions, prepare
+from carbonforge_runtime.runtime.serve.observability import Needs, start_observability
 from carbonforge_runtime.settings import load_settings
-from tests.support import TINY_KEY, free_port
+from tests.support import TINY_KEY, free_port, wait_until
 
 LOG = logging.getLogger("test.metrics")
 PROMTOOL = shutil.which("promtool")
@@ -227,9 +227,7 @@ def test_records_sent_are_records_received(tmp_path: Path) -> None:
               "e2e_latency_s": 2.0, "prompt_tokens": 30, "output_tokens": 40, "energy_j": 2.25,
               "prompt_text": "never sent", "output_text": "never sent"}
     sink.write([record] * 1000)  # several datagrams
-    deadline = time.monotonic() + 5
-    while len(got) < 1000 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(got) >= 1000, 5, every_s=0.01)
     sink.close()
     receiver.close()
     assert len(got) == 1000 and receiver.stats.lost == 0 and ranks == {3}
@@ -318,10 +316,13 @@ def test_gpu_monitor_logs_joules_per_output_token(tmp_path: Path, monkeypatch: p
     assert obs is not None and obs.session is not None and obs.receiver is not None
     try:
         obs.engine_ready()
-        deadline = time.monotonic() + 10
-        while "J per output token" not in caplog.text and time.monotonic() < deadline:
+        def reported() -> bool:  # feeding records until the summary line reports them
+            if "J per output token" in caplog.text:
+                return True
             obs.state.on_records([RequestSample("fcfs", "stop", 0.0, 0.1, 0.2, 5, 10, None)])
-            time.sleep(0.05)
+            return False
+
+        wait_until(reported, 10, every_s=0.05)
     finally:
         obs.close()
     line = next(r.getMessage() for r in caplog.records if "J per output token" in r.getMessage())

@@ -1,0 +1,545 @@
+"""Starts and supervises the vLLM engine, in its own process group: the serve path's only child
+processes (the offline ``sim`` and ``tune`` commands start their own, in ``cli/``).
+
+The engine writes straight into ``vllm.log`` (no pipe to drain, so it can never block on us).
+Every wait here has a deadline, and every path out kills the whole process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from carbonforge_runtime import files
+from carbonforge_runtime.core.redaction import redact_args
+from carbonforge_runtime.errors import DrainOverrun, StopForced
+from carbonforge_runtime.runtime.process.port_owner import foreign_listener_problem
+from carbonforge_runtime.runtime.process.startup_phases import (
+    DOWNLOADING,
+    LOADING,
+    STARTING,
+    LogFollower,
+    StartupPhases,
+    scan_download,
+)
+
+#: After SIGTERM the engine is gone within its drain time plus this much, SIGKILL included.
+SHUTDOWN_GRACE_S = 15.0
+#: The last part of every stop's time, kept for after the SIGKILL: the group's processes leaving.
+KILL_WAIT_S = 2.0
+#: After the API server has exited, its engine processes get this long to finish exiting (within
+#: the stop's time).
+STRAGGLER_GRACE_S = 5.0
+#: After the engine is gone: the runtime's own exit (the group, the energy controller, its log).
+RUNTIME_EXIT_MARGIN_S = 5.0
+POLL_INTERVAL_S = 0.5
+#: A stop before the engine is ready: how long the API server gets to exit before SIGKILL.
+EARLY_STOP_GRACE_S = 2.0
+PROGRESS_INTERVAL_S = 10.0
+
+
+def stop_bound_s(drain_s: float) -> float:
+    """The announced bound of a stop by signal: the engine's group is gone this long after the signal
+    at the latest (the drain, then the grace, whose last KILL_WAIT_S follow the SIGKILL)."""
+    return drain_s + SHUTDOWN_GRACE_S
+
+
+def stop_timeout_s(drain_s: float) -> int:
+    """How long a container manager must wait after SIGTERM before it SIGKILLs the runtime, for a
+    drain time of ``drain_s``: the announced bound and the runtime's own exit, rounded up to ten
+    seconds (``docker stop -t``, ``--stop-timeout``, ``terminationGracePeriodSeconds``)."""
+    return math.ceil((stop_bound_s(drain_s) + RUNTIME_EXIT_MARGIN_S) / 10.0) * 10
+
+
+def _within(grace_s: float) -> float:
+    """The deadline of a stop that gives the engine ``grace_s`` before the SIGKILL."""
+    return time.monotonic() + grace_s + KILL_WAIT_S
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask the kernel to SIGTERM the engine if the runtime itself disappears."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+#: The engine's watchdog: a small process in a session of its own, started beside the engine. It
+#: blocks reading a pipe whose only writer is the runtime. End of file means the runtime is gone,
+#: however it ended (SIGKILL included), and the watchdog then kills the engine's whole process
+#: group. Nothing here depends on vLLM handling a signal (it ignores SIGTERM while it initialises).
+#: On a normal stop the runtime kills the watchdog itself once the group is gone.
+_WATCHDOG = """
+import os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+pgid = int(sys.argv[1])
+while sys.stdin.buffer.read(4096):
+    pass
+try:
+    os.killpg(pgid, signal.SIGKILL)
+except OSError:
+    pass
+"""
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"code {128 - code}, killed by {name}"
+    return f"code {code}"
+
+
+def log_tail(path: Path, lines: int = 25) -> list[str]:
+    try:
+        with path.open("r", encoding="utf-8", errors="replace") as handle:
+            return [line.rstrip("\n") for line in deque(handle, maxlen=lines)]
+    except OSError:
+        return []
+
+
+#: (pattern in vllm.log, hint for the operator). First match wins.
+HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"out of memory|OutOfMemoryError|memory allocation failed|CUDA error: out of memory|"
+                   r"No available memory for the cache blocks", re.I),
+        "the GPU does not have enough free memory for this recipe: set CF_GPU_MEMORY_UTILIZATION=0.6, or "
+        "CF_VLLM_EXTRA_ARGS=\"--enforce-eager\" to skip CUDA graph capture (both depart from the benchmark); "
+        "check with nvidia-smi that nothing else holds GPU memory",
+    ),
+    (
+        re.compile(r"Could not find nvcc|cuda_home='[^']*' doesn't exist", re.I),
+        "the engine needs a CUDA toolkit to compile its sampler: install one on the host, or set "
+        "VLLM_USE_FLASHINFER_SAMPLER=0",
+    ),
+    (
+        re.compile(r"LocalEntryNotFoundError|outgoing traffic has been disabled|Cannot find an appropriate "
+                   r"cached snapshot", re.I),
+        "the model's weights are not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading them: "
+        "set HUGGINGFACE_HUB_CACHE to the directory you prefetched into (the engine looks in its hub/ layout)",
+    ),
+    (
+        re.compile(r"Address already in use|address already in use", re.I),
+        "another process already listens on the API port: stop it or set CF_PORT (or --port) to a free port",
+    ),
+    (
+        re.compile(r"unrecognized arguments|error: argument", re.I),
+        "vLLM rejected a command-line flag: check CF_VLLM_EXTRA_ARGS and any flags after --",
+    ),
+    (
+        re.compile(r"gated repo|401 Client Error|Access to model .* is restricted", re.I),
+        "the model is gated on Hugging Face: pass HF_TOKEN with access to it",
+    ),
+)
+
+
+def hint_for(lines: Sequence[str]) -> str | None:
+    text = "\n".join(lines)
+    for pattern, hint in HINTS:
+        if pattern.search(text):
+            return hint
+    return None
+
+
+#: Probes of our own engine go straight to it: an ``http_proxy`` in the environment (common on
+#: corporate hosts) must not route a loopback health check through a proxy.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
+            return bool(200 <= response.status < 300)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _port_problem(engine: EngineProcess, ready_url: str, api_port: int | None) -> str | None:
+    """Why the server answering ``ready_url`` is not (only) the engine, or ``None`` when it is."""
+    if api_port is None or engine.pid is None:
+        return None
+    host = urllib.parse.urlsplit(ready_url).hostname or "127.0.0.1"
+    return foreign_listener_problem(api_port, host, engine.pid)
+
+
+def _follow(phases: StartupPhases, follower: LogFollower, download_folder: Path | None, now: float) -> None:
+    """Bring the start-up phases up to date with what the engine wrote since the last look."""
+    for line in follower.read_lines():
+        phases.feed(line, now)
+    if download_folder is not None and phases.phase in (STARTING, LOADING, DOWNLOADING):
+        phases.note_download(*scan_download(download_folder), now)
+
+
+@dataclass
+class ExitReport:
+    """How a supervised run ended."""
+
+    #: "stopped" (by signal, clean), "killed" (needed SIGKILL), "early-exit", "died", "timeout",
+    #: "not-ours" (another process answers the API port)
+    outcome: str
+    engine_code: int | None
+    exit_code: int
+
+
+class EngineProcess:
+    """One vLLM engine. Nothing happens until :meth:`start`."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._watch_fd: int | None = None
+        #: Set by :meth:`stop`: when the group is to be gone.
+        self.stop_deadline: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # a symbolic link planted as vllm.log is refused, never followed
+            fd = files.open_append(self.log_path, 0o644)
+        except files.SymlinkRefused as exc:
+            raise exc.as_error() from None
+        with os.fdopen(fd, "ab") as log:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            log.write(f"\n===== carbonforge-runtime starting vLLM at {stamp} =====\n".encode())
+            log.write(("$ " + " ".join(redact_args(self.argv)) + "\n").encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self._start_watchdog(self._proc.pid)
+
+    def _start_watchdog(self, pgid: int) -> None:
+        read_end, write_end = os.pipe()  # neither end is inherited by the engine (close_fds)
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(pgid)],
+                stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )
+        except OSError:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._watch_fd = write_end
+
+    @property
+    def watchdog_pid(self) -> int | None:
+        return self._watchdog.pid if self._watchdog else None
+
+    def release_watchdog(self) -> None:
+        """Once the engine's group is gone: end the watchdog without letting it act."""
+        if self._watchdog is not None:
+            with contextlib.suppress(OSError):
+                self._watchdog.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._watchdog.wait(5.0)
+            self._watchdog = None
+        if self._watch_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._watch_fd)
+            self._watch_fd = None
+
+    def poll(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def signal_group(self, sig: int) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def group_alive(self) -> bool:
+        if self._proc is None:
+            return False
+        try:
+            os.killpg(self._proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self, deadline: float, escalate: Callable[[], bool] = lambda: False) -> tuple[int | None, bool]:
+        """SIGTERM the engine's API server and have the whole group gone by ``deadline`` (a
+        ``time.monotonic()`` value): SIGKILL to the group KILL_WAIT_S before it at the latest, at once
+        as soon as ``escalate()`` is true (a second signal); every wait ends by ``deadline``.
+
+        Only the leader is signalled: it drains in-flight requests and then shuts its own engine
+        processes down in order. Signalling the whole group would kill the engine core and its
+        workers mid-drain. Returns (engine exit code, whether SIGKILL was needed).
+        """
+        if self._proc is None:
+            return None, False
+        self.stop_deadline = deadline
+        kill_at = deadline - KILL_WAIT_S
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGTERM)
+        code = self._proc.poll()
+        while code is None and time.monotonic() < kill_at and not escalate():
+            code = self.wait(min(POLL_INTERVAL_S, max(kill_at - time.monotonic(), 0.0)))
+        killed = code is None
+        # Give the leader's children a moment to finish their own exit, then remove stragglers.
+        stragglers_until = min(time.monotonic() + STRAGGLER_GRACE_S, kill_at)
+        while not killed and self.group_alive() and time.monotonic() < stragglers_until and not escalate():
+            time.sleep(0.1)
+        self.signal_group(signal.SIGKILL)
+        if code is None:
+            code = self.wait(max(deadline - time.monotonic(), 0.0))
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return code, killed
+
+
+class StopFlag:
+    """Set from a signal handler; polled by the supervision loop. The first SIGTERM or SIGINT asks
+    for a drain; a second one asks to stop at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self.count = 0
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+        self.count += 1
+
+    @property
+    def again(self) -> bool:
+        """A second signal arrived: stop without waiting for the drain."""
+        return self.count >= 2
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+    @property
+    def set(self) -> bool:
+        return self.signal is not None
+
+
+@dataclass(frozen=True)
+class GroupLoss:
+    """The group lost a host: why, and whether it was an orderly stop (the leader stopped the group)."""
+
+    message: str
+    orderly: bool = False
+
+
+class GroupHooks:
+    """What the supervisor asks of a host's group watch (:mod:`carbonforge_runtime.runtime.group.watch`)."""
+
+    #: Whether word of an orderly stop can come at all (a worker's, from its leader).
+    hears_orderly_stop = False
+
+    def loss(self) -> GroupLoss | None:
+        """Set once the group can no longer serve."""
+        return None
+
+    def on_loss(self, loss: GroupLoss) -> None:
+        """Called once, before the engine is stopped (the leader turns /health to 503 here)."""
+
+    def before_stop(self, deadline: float, hurry: Callable[[], bool]) -> None:
+        """Called on a stop signal, before the engine is signalled; returns by ``deadline`` or when
+        ``hurry()`` (a second signal)."""
+
+    def close(self) -> None:
+        """The runtime is done with the group (after the engine stopped)."""
+
+
+#: Once the group has lost a host, how long the engine gets to exit before SIGKILL.
+GROUP_LOST_GRACE_S = 5.0
+
+
+def _group_lost(engine: EngineProcess, loss: GroupLoss, group: GroupHooks, log: logging.Logger) -> ExitReport:
+    if loss.orderly:
+        log.info(f"{loss.message}: stopping vLLM")
+    else:
+        log.error(f"{loss.message}: the group cannot serve without it; stopping vLLM")
+    group.on_loss(loss)
+    code, killed = engine.stop(_within(GROUP_LOST_GRACE_S))
+    log.info("vLLM stopped" + (" (killed)" if killed else ""))
+    return ExitReport("stopped" if loss.orderly else "group-lost", code, 0 if loss.orderly else 1)
+
+
+#: After a group member's engine exited on its own, how long to wait for word of an orderly stop.
+ORDERLY_END_WAIT_S = 3.0
+
+
+def _orderly_group_end(group: GroupHooks | None) -> GroupLoss | None:
+    """The group's orderly stop, if one arrives within ORDERLY_END_WAIT_S; None otherwise."""
+    if group is None or not group.hears_orderly_stop:
+        return None
+    deadline = time.monotonic() + ORDERLY_END_WAIT_S
+    while True:
+        loss = group.loss()
+        if loss is not None or time.monotonic() >= deadline:
+            return loss if loss is not None and loss.orderly else None
+        time.sleep(0.1)
+
+
+def supervise(
+    engine: EngineProcess,
+    ready_url: str | None,
+    ready_timeout_s: float,
+    drain_timeout_s: float,
+    log: logging.Logger,
+    on_ready: Callable[[], None],
+    stop: StopFlag,
+    api_port: int | None = None,
+    download_folder: Path | None = None,
+    group: GroupHooks | None = None,
+) -> ExitReport:
+    """Start the engine, wait for readiness, serve until a signal or the engine's death.
+
+    With ``api_port``, readiness also needs the socket listening on that port to belong to the
+    engine's process group: a ``/health`` answer from another server is not our engine being ready.
+    Without ``ready_url`` (a headless worker of a group, which runs no API server) the engine is
+    supervised from its start, with no readiness to wait for. With ``group`` (a host of a multi-host
+    group) the engine is stopped as soon as the group has lost a host, and a stop waits for what
+    ``group.before_stop`` waits for (a worker: its leader's end) before signalling the engine.
+    Until ready, the engine's log (and ``download_folder``, the served repository's folder in the
+    Hugging Face cache, for downloads) tells which start-up phase it is in."""
+    if stop.set:  # the signal came while the launch was being prepared: start nothing
+        log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was started: "
+                 "not starting it")
+        return ExitReport("stopped", None, 0)
+    try:
+        log_offset = engine.log_path.stat().st_size
+    except OSError:
+        log_offset = 0
+    started = time.monotonic()
+    engine.start()
+    last_progress = started
+    ready = ready_url is None
+    if ready:
+        log.info("vLLM started headless (a worker of the group): it serves through the leader's API")
+    phases = StartupPhases(started)
+    follower = LogFollower(engine.log_path, log_offset)
+    try:
+        while True:
+            code = engine.poll()  # has it exited? before: is it ready?
+            if code is not None:
+                engine.signal_group(signal.SIGKILL)
+                ended = _orderly_group_end(group)
+                if ended is not None:  # a worker's vLLM may notice its leader's stop before the word does
+                    log.info(f"{ended.message}: vLLM stopped ({describe_exit(code)})")
+                    return ExitReport("stopped", code, 0)
+                tail = log_tail(engine.log_path)
+                if not ready:
+                    _follow(phases, follower, download_folder, time.monotonic())
+                when = f"before becoming ready, while {phases.phase}" if not ready else "while serving"
+                log.error(f"vLLM exited ({describe_exit(code)}) {when}")
+                if not ready:
+                    log.error(f"start-up phases until then: {phases.describe_durations(time.monotonic())}")
+                log.error(f"last lines of {engine.log_path}:")
+                for line in tail:
+                    log.error(f"  | {line}")
+                hint = hint_for(tail)
+                if hint:
+                    log.error(f"hint: {hint}")
+                return ExitReport("early-exit" if not ready else "died", code, code if code > 0 else 1)
+            loss = group.loss() if group is not None else None
+            if loss is not None:
+                return _group_lost(engine, loss, group, log)  # type: ignore[arg-type]
+            if stop.set and not ready:
+                # Nothing can be in flight before ready: no drain, and vLLM may ignore SIGTERM while
+                # it initialises, so the group is killed after a short grace.
+                log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was ready: "
+                         f"stopping it now (nothing in flight)")
+                code, killed = engine.stop(_within(EARLY_STOP_GRACE_S))
+                log.info("vLLM stopped before it was ready" + (" (killed)" if killed else ""))
+                return ExitReport("stopped", code, 0)
+            if stop.set:
+                latest = stop_bound_s(drain_timeout_s)
+                deadline = time.monotonic() + latest
+                log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name}: stopping vLLM "
+                         f"(drain up to {drain_timeout_s:g} s, stopped within {latest:g} s at the latest; "
+                         "a second signal stops it at once)")
+                if group is not None:
+                    group.before_stop(deadline - KILL_WAIT_S, lambda: stop.again)
+                code, killed = engine.stop(deadline, escalate=lambda: stop.again)
+                if killed and stop.again:
+                    log.warning("second signal: vLLM killed without finishing its drain")
+                    return ExitReport("killed", code, StopForced.exit_code)
+                if killed:
+                    log.error("vLLM did not stop within the drain time: killed")
+                    return ExitReport("killed", code, DrainOverrun.exit_code)
+                log.info(f"vLLM stopped ({describe_exit(code if code is not None else 0)})")
+                clean = code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+                return ExitReport("stopped", code, 0 if clean else 1)
+            now = time.monotonic()
+            if not ready and ready_url is not None:
+                _follow(phases, follower, download_folder, now)
+                if http_ok(ready_url):
+                    problem = _port_problem(engine, ready_url, api_port)
+                    if problem is not None:
+                        log.error(f"{problem}; the engine is not declared ready")
+                        log.error("the API port must be this runtime's alone: stop the other process, or serve on "
+                                  "a free port (CF_PORT, or --port in the vLLM arguments); stopping vLLM")
+                        engine.stop(_within(EARLY_STOP_GRACE_S))
+                        return ExitReport("not-ours", None, 1)
+                    ready = True
+                    ready_at = time.monotonic()
+                    _follow(phases, follower, download_folder, ready_at)
+                    for line in phases.ready_summary(ready_at):
+                        log.info(line)
+                    on_ready()
+                elif now - started > ready_timeout_s:
+                    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s, still {phases.phase} "
+                              "(raise CF_READY_TIMEOUT_S if it needs longer): stopping it")
+                    engine.stop(_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
+                    return ExitReport("timeout", None, 1)
+                elif now - last_progress >= PROGRESS_INTERVAL_S:
+                    last_progress = now
+                    log.info(f"engine starting, {now - started:.0f} s so far: {phases.progress(now)} "
+                             f"(details in {engine.log_path})")
+            time.sleep(POLL_INTERVAL_S)
+    except BaseException:
+        engine.stop(_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
+        raise
+    finally:
+        # SIGKILLed members take a moment to leave the group; a stop has had its KILL_WAIT_S for that
+        deadline = min(time.monotonic() + KILL_WAIT_S, engine.stop_deadline or math.inf)
+        while engine.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not engine.group_alive():  # otherwise the watchdog stays, to kill the group when we exit
+            engine.release_watchdog()

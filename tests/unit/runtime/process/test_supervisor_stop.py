@@ -1,0 +1,206 @@
+"""Stopping does what the operator asked: nothing starts after a signal during preparation, a stop
+before ready is immediate, and a second signal during a drain stops at once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from carbonforge_runtime.errors import DrainOverrun, StopForced
+from carbonforge_runtime.runtime.process import supervisor
+from tests.support import REPO, free_port, wait_until
+
+LOG = logging.getLogger("test-supervisor")
+#: An engine that ignores SIGTERM (as vLLM does while it initialises) and never becomes ready.
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def group_gone(pgid: int, within_s: float = 5.0) -> bool:
+    def gone() -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    return wait_until(gone, within_s, every_s=0.05)
+
+
+def signal_later(stop: supervisor.StopFlag, after_s: float, times: int = 1, between_s: float = 0.0) -> None:
+    def fire() -> None:
+        time.sleep(after_s)
+        for _ in range(times):
+            stop(signal.SIGTERM, None)
+            time.sleep(between_s)
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def test_a_signal_during_preparation_starts_nothing(tmp_path: Path) -> None:
+    stop = supervisor.StopFlag()
+    stop(signal.SIGTERM, None)
+    engine = supervisor.EngineProcess([sys.executable, "-c", DEAF], dict(os.environ), tmp_path / "vllm.log")
+    report = supervisor.supervise(engine, "http://127.0.0.1:1/health", 60, 30, LOG, lambda: None, stop)
+    assert report.outcome == "stopped" and report.exit_code == 0
+    assert engine.pid is None and not (tmp_path / "vllm.log").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_before_ready_is_immediate_even_when_the_engine_ignores_sigterm(tmp_path: Path) -> None:
+    stop = supervisor.StopFlag()
+    engine = supervisor.EngineProcess([sys.executable, "-c", DEAF], dict(os.environ), tmp_path / "vllm.log")
+    signal_later(stop, 1.0)
+    started = time.monotonic()
+    report = supervisor.supervise(engine, f"http://127.0.0.1:{free_port()}/health", 600, 30, LOG,
+                                  lambda: None, stop)
+    took = time.monotonic() - started
+    assert report.outcome == "stopped" and report.exit_code == 0
+    assert took < 1.0 + 5.0, took  # not the 30 s drain
+    assert engine.pid is not None and group_gone(engine.pid)
+
+
+def deaf_engine_double(port: int, log: Path) -> supervisor.EngineProcess:
+    """The engine double, answering /health, but ignoring SIGTERM: only SIGKILL ends its drain."""
+    code = (f"import runpy, signal, sys; sys.argv = ['engine_double', '--port', '{port}']; "
+            "orig = signal.signal; signal.signal = lambda s, h: orig(s, signal.SIG_IGN) if s == signal.SIGTERM "
+            "else orig(s, h); "
+            f"runpy.run_path({str(REPO / 'tests' / 'support' / 'engine_double.py')!r}, run_name='__main__')")
+    return supervisor.EngineProcess([sys.executable, "-c", code], dict(os.environ), log)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_during_the_drain_stops_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    engine = deaf_engine_double(port, tmp_path / "vllm.log")
+    stop = supervisor.StopFlag()
+    ready = threading.Event()
+
+    def on_ready() -> None:
+        ready.set()
+        signal_later(stop, 0.5, times=2, between_s=1.0)  # SIGTERM, then a second one a second later
+
+    started = time.monotonic()
+    report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 30, LOG, on_ready, stop)
+    took = time.monotonic() - started
+    assert ready.is_set()
+    assert report.outcome == "killed" and report.exit_code == StopForced.exit_code == 130
+    assert took < 15.0, took  # far less than the 30 s drain plus grace
+    assert engine.pid is not None and group_gone(engine.pid)
+
+
+@pytest.mark.timeout(90)
+def test_a_drain_overrun_ends_within_the_announced_bound(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that ignores SIGTERM, with a child that does too: the stop is over, the whole group
+    gone, by the bound the runtime announces, and the exit code says the drain was cut short."""
+    port = free_port()
+    engine = deaf_engine_double(port, tmp_path / "vllm.log")
+    stop = supervisor.StopFlag()
+    signalled: list[float] = []
+
+    def on_ready() -> None:
+        def fire() -> None:
+            signalled.append(time.monotonic())
+            stop(signal.SIGTERM, None)
+
+        threading.Timer(0.2, fire).start()
+
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 1, LOG, on_ready, stop)
+    ended = time.monotonic()
+    announced = re.search(r"stopped within ([0-9.]+) s at the latest", caplog.text)
+    assert announced, caplog.text
+    bound = float(announced[1])
+    assert bound == supervisor.stop_bound_s(1) == 1 + supervisor.SHUTDOWN_GRACE_S
+    took = ended - signalled[0]
+    # the supervision loop sees the signal within one poll; from then on every wait is bounded
+    assert took <= bound + supervisor.POLL_INTERVAL_S + 0.5, (took, bound)
+    assert took >= bound - supervisor.KILL_WAIT_S - 1.0, (took, bound)  # the grace was given, not skipped
+    assert report.outcome == "killed" and report.exit_code == DrainOverrun.exit_code == 124
+    assert "vLLM did not stop within the drain time: killed" in caplog.text
+    assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
+    assert supervisor.stop_timeout_s(1) >= bound + supervisor.RUNTIME_EXIT_MARGIN_S
+
+
+@pytest.mark.timeout(60)
+def test_every_wait_of_a_stop_ends_by_its_deadline(tmp_path: Path) -> None:
+    """EngineProcess.stop with a short deadline: SIGTERM ignored by the leader and its child, SIGKILL
+    KILL_WAIT_S before the deadline, and the group gone by it."""
+    child = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"subprocess.Popen([sys.executable, '-c', {DEAF!r}]); time.sleep(600)")
+    engine = supervisor.EngineProcess([sys.executable, "-c", child], dict(os.environ), tmp_path / "vllm.log")
+    engine.start()
+    try:
+        time.sleep(1.0)  # both processes are up and ignore SIGTERM
+        started = time.monotonic()
+        code, killed = engine.stop(started + 3.0)
+        took = time.monotonic() - started
+        assert killed and code == -signal.SIGKILL
+        assert 3.0 - supervisor.KILL_WAIT_S - 0.2 <= took <= 3.0 + 0.2, took
+        assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
+    finally:
+        engine.signal_group(signal.SIGKILL)
+        engine.release_watchdog()
+
+
+#: A stand-in runtime: starts an engine that ignores SIGTERM and has a child of its own, reports the
+#: engine's process group and its watchdog, and waits to be killed.
+RUNTIME = f"""
+import json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from carbonforge_runtime.runtime.process.supervisor import EngineProcess
+child = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+        "subprocess.Popen([sys.executable, '-c', {DEAF!r}]); time.sleep(600)"
+engine = EngineProcess([sys.executable, "-c", child], dict(os.environ), Path(sys.argv[1]))
+engine.start()
+print(json.dumps([engine.pid, getattr(engine, "watchdog_pid", None)]), flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_runtime_takes_the_whole_engine_group_with_it(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    runtime = subprocess.Popen([sys.executable, "-c", RUNTIME, str(tmp_path / "vllm.log")],
+                               stdout=subprocess.PIPE, text=True)
+    assert runtime.stdout is not None
+    pgid, watchdog = json.loads(runtime.stdout.readline())
+    wait_until(lambda: len(group_members(pgid)) >= 2, 10, every_s=0.05)  # the engine and its child
+    assert len(group_members(pgid)) == 2
+    runtime.kill()  # SIGKILL: no handler of ours runs
+    runtime.wait(10)
+    wait_until(lambda: not group_members(pgid), 10, every_s=0.1)
+    assert group_members(pgid) == [], "engine processes outlived the runtime"
+    assert watchdog is not None
+    wait_until(lambda: not running(watchdog), 10, every_s=0.1)
+    assert not running(watchdog), "the watchdog stayed after doing its job"
