@@ -2,7 +2,8 @@
 
 Three layers, so that every rule can be tested without the machine it describes:
 
-* :mod:`.facts` reads the host (GPU backend, files, sockets, packages, licence) into plain data;
+* :mod:`.collect` reads the host into the plain data of :mod:`.facts`, asking the probes of
+  :mod:`.probes` (files, sockets, packages, licence) and a GPU backend; :mod:`.fake` holds fixed probes;
 * :mod:`.checks` turns those facts into OK / WARN / FAIL verdicts, each WARN and FAIL with a remedy;
 * :mod:`.report` prints them as text or JSON.
 
@@ -16,17 +17,10 @@ from collections.abc import Mapping
 
 from carbonforge_runtime.gpu.types import GpuBackend
 from carbonforge_runtime.runtime.doctor.checks import run_checks
-from carbonforge_runtime.runtime.doctor.facts import (
-    DOCTOR,
-    PREFLIGHT,
-    DoctorFacts,
-    DoctorRequest,
-    Probes,
-    SystemProbes,
-    collect_facts,
-    tolerant_settings,
-)
+from carbonforge_runtime.runtime.doctor.collect import collect_facts, tolerant_settings
+from carbonforge_runtime.runtime.doctor.facts import DOCTOR, PREFLIGHT, DoctorFacts, DoctorRequest, Probes
 from carbonforge_runtime.runtime.doctor.model import FAIL, OK, WARN, Check, exit_code, verdict
+from carbonforge_runtime.runtime.doctor.probes import SystemProbes
 from carbonforge_runtime.runtime.doctor.report import render_json, render_text
 
 

@@ -29,7 +29,6 @@ from carbonforge_runtime.core.contract import EngineContract, TraceConfig
 from carbonforge_runtime.errors import CarbonForgeError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
-from carbonforge_runtime.runtime.doctor.facts import hub_cache_dir, weights_on_host
 from carbonforge_runtime.runtime.doctor.preflight import (
     Verdicts,
     check_hardware,
@@ -37,6 +36,7 @@ from carbonforge_runtime.runtime.doctor.preflight import (
     hardware_refusal,
     preflight,
 )
+from carbonforge_runtime.runtime.doctor.probes import weights_on_host
 from carbonforge_runtime.runtime.group.placement import Group
 from carbonforge_runtime.runtime.planning.command import LaunchPlan
 from carbonforge_runtime.runtime.planning.plan import (
@@ -51,6 +51,7 @@ from carbonforge_runtime.runtime.process.startup_phases import repo_cache_folder
 from carbonforge_runtime.runtime.process.supervisor import GroupHooks
 from carbonforge_runtime.runtime.serve import address as serve_address
 from carbonforge_runtime.runtime.serve.api_key import read_api_key
+from carbonforge_runtime.runtime.weights.hub_cache import hub_cache_dir
 from carbonforge_runtime.settings import Settings
 
 if TYPE_CHECKING:

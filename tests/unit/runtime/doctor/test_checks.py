@@ -249,9 +249,9 @@ def test_invalid_variable_is_a_fail_not_a_crash() -> None:
 
 
 def test_controller_recipe_without_privileges_runs_observe_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from carbonforge_runtime.runtime.doctor import facts as facts_module
+    from carbonforge_runtime.runtime.doctor import collect as collect_module
 
-    real = facts_module._recipe_plan
+    real = collect_module._recipe_plan
 
     def with_controller(key, settings, environ):  # type: ignore[no-untyped-def]
         recipe_facts, plan = real(key, settings, environ)
@@ -259,7 +259,7 @@ def test_controller_recipe_without_privileges_runs_observe_only(monkeypatch: pyt
         recipe = replace(recipe_facts.recipe, controller=replace(recipe_facts.recipe.controller, policy="power-cap"))
         return replace(recipe_facts, recipe=recipe), plan
 
-    monkeypatch.setattr(facts_module, "_recipe_plan", with_controller)
+    monkeypatch.setattr(collect_module, "_recipe_plan", with_controller)
     unprivileged = FixedProbes(privilege_facts=PrivilegeFacts(1000, False))
     control = only(run(host("l4"), L4_KEY, unprivileged), "host.gpu_control")
     assert control.status == WARN

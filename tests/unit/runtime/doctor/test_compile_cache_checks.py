@@ -9,7 +9,7 @@ import pytest
 
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.runtime.doctor import FAIL, OK, WARN, Check, DoctorRequest, SystemProbes, diagnose
-from carbonforge_runtime.runtime.doctor import facts as facts_module
+from carbonforge_runtime.runtime.doctor import probes as probes_module
 from carbonforge_runtime.runtime.doctor.facts import EngineFacts, MountFacts
 from carbonforge_runtime.runtime.doctor.fake import FIXED_NOW, FixedProbes
 from carbonforge_runtime.runtime.doctor.preflight import preflight
@@ -111,8 +111,8 @@ def test_the_preflight_warns_but_launches() -> None:
 def fake_proc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mountinfo: str, marker: bool) -> None:
     info = tmp_path / "mountinfo"
     info.write_text(mountinfo)
-    monkeypatch.setattr(facts_module, "MOUNTINFO", str(info))
-    monkeypatch.setattr(facts_module, "CONTAINER_MARKERS", (str(tmp_path / ".dockerenv"),))
+    monkeypatch.setattr(probes_module, "MOUNTINFO", str(info))
+    monkeypatch.setattr(probes_module, "CONTAINER_MARKERS", (str(tmp_path / ".dockerenv"),))
     if marker:
         (tmp_path / ".dockerenv").write_text("")
 
@@ -156,6 +156,6 @@ def test_a_host_made_from_a_container_image_is_no_container(monkeypatch: pytest.
 
 def test_the_probe_reports_unreadable_mounts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake_proc(monkeypatch, tmp_path, "", marker=True)
-    monkeypatch.setattr(facts_module, "MOUNTINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(probes_module, "MOUNTINFO", str(tmp_path / "missing"))
     found = SystemProbes().mount(str(tmp_path))
     assert found.in_container and found.mount is None and "cannot be read" in found.problem

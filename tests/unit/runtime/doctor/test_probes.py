@@ -16,8 +16,8 @@ import pytest
 
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.runtime.doctor import FAIL, OK, WARN, Check, DoctorRequest, SystemProbes, diagnose
-from carbonforge_runtime.runtime.doctor.facts import find_hub_snapshot, hub_cache_dir
 from carbonforge_runtime.runtime.energy.privileges import parse_cap_sys_admin
+from carbonforge_runtime.runtime.weights.hub_cache import find_hub_snapshot, hub_cache_dir
 from tests.support import REPO, free_port
 
 L4_KEY = "qwen2.5-0.5b:fp8:chat:l4x1"
@@ -67,7 +67,7 @@ def test_port_probe_sees_a_listener() -> None:
 
 
 def test_engine_probe_reads_metadata_without_importing_vllm() -> None:
-    code = ("import sys, json; from carbonforge_runtime.runtime.doctor.facts import SystemProbes; "
+    code = ("import sys, json; from carbonforge_runtime.runtime.doctor.probes import SystemProbes; "
             "e = SystemProbes().engine(); "
             "print(json.dumps([e.distribution, e.version, e.importable, 'vllm' in sys.modules]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

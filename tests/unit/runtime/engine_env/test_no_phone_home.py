@@ -10,7 +10,7 @@ import pytest
 
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
-from carbonforge_runtime.runtime.doctor.facts import served_snapshot, weights_on_host
+from carbonforge_runtime.runtime.doctor.probes import weights_on_host
 from carbonforge_runtime.runtime.engine_env.privacy import (
     USAGE_STATS_OFF,
     asks_for_reporting,
@@ -26,6 +26,7 @@ from carbonforge_runtime.runtime.planning.plan import (
 )
 from carbonforge_runtime.runtime.process import supervisor
 from carbonforge_runtime.runtime.serve.launch import serve
+from carbonforge_runtime.runtime.weights.hub_cache import served_snapshot
 from carbonforge_runtime.settings import load_settings
 
 SHIPPED: dict[str, Recipe] = load_recipes(recipe_dirs(None))

@@ -17,9 +17,11 @@ from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs
 from carbonforge_runtime.recipes.loader import resolve
 from carbonforge_runtime.runtime.doctor.checks import run_checks
-from carbonforge_runtime.runtime.doctor.facts import DOCTOR, DoctorRequest, SystemProbes, collect_facts
+from carbonforge_runtime.runtime.doctor.collect import collect_facts
+from carbonforge_runtime.runtime.doctor.facts import DOCTOR, DoctorRequest
 from carbonforge_runtime.runtime.doctor.fake import FixedProbes
 from carbonforge_runtime.runtime.doctor.preflight import GroupHardwareMismatch
+from carbonforge_runtime.runtime.doctor.probes import SystemProbes
 from carbonforge_runtime.runtime.group.placement import GroupFlags, hardware_remedy, resolve_group
 from carbonforge_runtime.runtime.planning.command import engine_args
 from carbonforge_runtime.runtime.planning.plan import ServeOptions, build_plan

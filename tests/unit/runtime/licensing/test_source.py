@@ -103,7 +103,7 @@ def test_a_fifo_as_licence_file_is_refused_without_blocking(tmp_path: Path) -> N
 
 def test_a_licence_file_that_does_not_exist_is_told_so_with_how_to_provide_it(
         tmp_path: Path, premium: Recipe) -> None:
-    from carbonforge_runtime.runtime.doctor.facts import SystemProbes
+    from carbonforge_runtime.runtime.doctor.probes import SystemProbes
 
     path = tmp_path / "license.key"
     settings = settings_for(CF_LICENSE_FILE=str(path))
