@@ -42,7 +42,7 @@ from referencing import Registry, Resource
 
 from carbonforge_runtime.recipes.model import DEFAULT_DRAIN_TIMEOUT_S
 from carbonforge_runtime.runtime.planning.command import DEFAULT_OVERRIDE_DRAIN_S
-from carbonforge_runtime.runtime.process.supervisor import SHUTDOWN_GRACE_S, stop_timeout_s
+from carbonforge_runtime.runtime.process.drain import SHUTDOWN_GRACE_S, stop_timeout_s
 from carbonforge_runtime.settings import load_settings
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ from carbonforge_runtime.runtime.engine_env.compile_cache import IMAGE_DIR as CO
 from carbonforge_runtime.runtime.engine_env.compile_cache import VOLUME_NAME as COMPILE_CACHE_VOLUME
 from carbonforge_runtime.runtime.engine_env.privacy import hub_offline_choice, is_offline
 from carbonforge_runtime.runtime.planning.command import DEFAULT_OVERRIDE_DRAIN_S
-from carbonforge_runtime.runtime.process.supervisor import stop_timeout_s
+from carbonforge_runtime.runtime.process.drain import stop_timeout_s
 from carbonforge_runtime.runtime.weights.hub_cache import (
     FetchResult,
     download,

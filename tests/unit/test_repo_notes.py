@@ -42,7 +42,7 @@ def test_every_documented_docker_run_gives_the_recipe_time_to_drain() -> None:
     """A stop timeout shorter than the drain (Docker's default is 10 s) SIGKILLs every drain."""
     import re
 
-    from carbonforge_runtime.runtime.process.supervisor import stop_timeout_s
+    from carbonforge_runtime.runtime.process.drain import stop_timeout_s
 
     found = 0
     for path in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))):
@@ -59,7 +59,7 @@ def test_every_documented_docker_run_gives_the_recipe_time_to_drain() -> None:
 def test_the_compose_example_gives_its_recipe_time_to_drain() -> None:
     import yaml
 
-    from carbonforge_runtime.runtime.process.supervisor import stop_timeout_s
+    from carbonforge_runtime.runtime.process.drain import stop_timeout_s
 
     service = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())["services"]["carbonforge"]
     key = service["command"][service["command"].index("--context-key") + 1]
@@ -82,7 +82,7 @@ def test_the_fetch_line_gives_the_recipe_time_to_drain() -> None:
 
 
 def test_the_operations_page_gives_the_stop_figures_of_the_code() -> None:
-    from carbonforge_runtime.runtime.process.supervisor import KILL_WAIT_S, RUNTIME_EXIT_MARGIN_S, SHUTDOWN_GRACE_S
+    from carbonforge_runtime.runtime.process.drain import KILL_WAIT_S, RUNTIME_EXIT_MARGIN_S, SHUTDOWN_GRACE_S
 
     text = " ".join((REPO / "docs" / "operations.md").read_text().split())
     assert f"stopped within N+{SHUTDOWN_GRACE_S:g} s at the latest" in text

@@ -46,7 +46,7 @@ from carbonforge_runtime.runtime.planning.command import (
     user_scheduler_cls,
 )
 from carbonforge_runtime.runtime.planning.trace_options import resolve_trace_options, trace_export_lines
-from carbonforge_runtime.runtime.process.supervisor import stop_timeout_s
+from carbonforge_runtime.runtime.process.drain import stop_timeout_s
 from carbonforge_runtime.runtime.vllm_cli.args import read
 from carbonforge_runtime.runtime.vllm_cli.served_model import model_from_args
 from carbonforge_runtime.settings import Settings

@@ -2,7 +2,10 @@
 processes (the offline ``sim`` and ``tune`` commands start their own, in ``cli/``).
 
 The engine writes straight into ``vllm.log`` (no pipe to drain, so it can never block on us).
-Every wait here has a deadline, and every path out kills the whole process group.
+:func:`supervise` runs in phases (start, wait for ready, serve, stop), each a function that ends the
+run with an :class:`~carbonforge_runtime.runtime.process.exit_report.ExitReport` or hands on to the
+next. Every wait here has a deadline, taken from :mod:`~carbonforge_runtime.runtime.process.drain`,
+and every path out kills the whole process group.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import ctypes
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +22,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,22 @@ from pathlib import Path
 from carbonforge_runtime import files
 from carbonforge_runtime.core.redaction import redact_args
 from carbonforge_runtime.errors import DrainOverrun, StopForced
+from carbonforge_runtime.runtime.process.drain import (
+    EARLY_STOP_GRACE_S,
+    GROUP_LOST_GRACE_S,
+    KILL_WAIT_S,
+    SHUTDOWN_GRACE_S,
+    STRAGGLER_GRACE_S,
+    deadline_within,
+    drain_deadline,
+    stop_bound_s,
+)
+from carbonforge_runtime.runtime.process.exit_report import (  # ExitReport: what supervise() returns
+    ExitReport,
+    describe_exit,
+    log_tail,
+    report_engine_exit,
+)
 from carbonforge_runtime.runtime.process.port_owner import foreign_listener_problem
 from carbonforge_runtime.runtime.process.startup_phases import (
     DOWNLOADING,
@@ -38,37 +55,8 @@ from carbonforge_runtime.runtime.process.startup_phases import (
     scan_download,
 )
 
-#: After SIGTERM the engine is gone within its drain time plus this much, SIGKILL included.
-SHUTDOWN_GRACE_S = 15.0
-#: The last part of every stop's time, kept for after the SIGKILL: the group's processes leaving.
-KILL_WAIT_S = 2.0
-#: After the API server has exited, its engine processes get this long to finish exiting (within
-#: the stop's time).
-STRAGGLER_GRACE_S = 5.0
-#: After the engine is gone: the runtime's own exit (the group, the energy controller, its log).
-RUNTIME_EXIT_MARGIN_S = 5.0
 POLL_INTERVAL_S = 0.5
-#: A stop before the engine is ready: how long the API server gets to exit before SIGKILL.
-EARLY_STOP_GRACE_S = 2.0
 PROGRESS_INTERVAL_S = 10.0
-
-
-def stop_bound_s(drain_s: float) -> float:
-    """The announced bound of a stop by signal: the engine's group is gone this long after the signal
-    at the latest (the drain, then the grace, whose last KILL_WAIT_S follow the SIGKILL)."""
-    return drain_s + SHUTDOWN_GRACE_S
-
-
-def stop_timeout_s(drain_s: float) -> int:
-    """How long a container manager must wait after SIGTERM before it SIGKILLs the runtime, for a
-    drain time of ``drain_s``: the announced bound and the runtime's own exit, rounded up to ten
-    seconds (``docker stop -t``, ``--stop-timeout``, ``terminationGracePeriodSeconds``)."""
-    return math.ceil((stop_bound_s(drain_s) + RUNTIME_EXIT_MARGIN_S) / 10.0) * 10
-
-
-def _within(grace_s: float) -> float:
-    """The deadline of a stop that gives the engine ``grace_s`` before the SIGKILL."""
-    return time.monotonic() + grace_s + KILL_WAIT_S
 
 
 _PR_SET_PDEATHSIG = 1
@@ -99,67 +87,6 @@ except OSError:
 """
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"code {128 - code}, killed by {name}"
-    return f"code {code}"
-
-
-def log_tail(path: Path, lines: int = 25) -> list[str]:
-    try:
-        with path.open("r", encoding="utf-8", errors="replace") as handle:
-            return [line.rstrip("\n") for line in deque(handle, maxlen=lines)]
-    except OSError:
-        return []
-
-
-#: (pattern in vllm.log, hint for the operator). First match wins.
-HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(r"out of memory|OutOfMemoryError|memory allocation failed|CUDA error: out of memory|"
-                   r"No available memory for the cache blocks", re.I),
-        "the GPU does not have enough free memory for this recipe: set CF_GPU_MEMORY_UTILIZATION=0.6, or "
-        "CF_VLLM_EXTRA_ARGS=\"--enforce-eager\" to skip CUDA graph capture (both depart from the benchmark); "
-        "check with nvidia-smi that nothing else holds GPU memory",
-    ),
-    (
-        re.compile(r"Could not find nvcc|cuda_home='[^']*' doesn't exist", re.I),
-        "the engine needs a CUDA toolkit to compile its sampler: install one on the host, or set "
-        "VLLM_USE_FLASHINFER_SAMPLER=0",
-    ),
-    (
-        re.compile(r"LocalEntryNotFoundError|outgoing traffic has been disabled|Cannot find an appropriate "
-                   r"cached snapshot", re.I),
-        "the model's weights are not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading them: "
-        "set HUGGINGFACE_HUB_CACHE to the directory you prefetched into (the engine looks in its hub/ layout)",
-    ),
-    (
-        re.compile(r"Address already in use|address already in use", re.I),
-        "another process already listens on the API port: stop it or set CF_PORT (or --port) to a free port",
-    ),
-    (
-        re.compile(r"unrecognized arguments|error: argument", re.I),
-        "vLLM rejected a command-line flag: check CF_VLLM_EXTRA_ARGS and any flags after --",
-    ),
-    (
-        re.compile(r"gated repo|401 Client Error|Access to model .* is restricted", re.I),
-        "the model is gated on Hugging Face: pass HF_TOKEN with access to it",
-    ),
-)
-
-
-def hint_for(lines: Sequence[str]) -> str | None:
-    text = "\n".join(lines)
-    for pattern, hint in HINTS:
-        if pattern.search(text):
-            return hint
-    return None
-
-
 #: Probes of our own engine go straight to it: an ``http_proxy`` in the environment (common on
 #: corporate hosts) must not route a loopback health check through a proxy.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -187,17 +114,6 @@ def _follow(phases: StartupPhases, follower: LogFollower, download_folder: Path 
         phases.feed(line, now)
     if download_folder is not None and phases.phase in (STARTING, LOADING, DOWNLOADING):
         phases.note_download(*scan_download(download_folder), now)
-
-
-@dataclass
-class ExitReport:
-    """How a supervised run ended."""
-
-    #: "stopped" (by signal, clean), "killed" (needed SIGKILL), "early-exit", "died", "timeout",
-    #: "not-ours" (another process answers the API port)
-    outcome: str
-    engine_code: int | None
-    exit_code: int
 
 
 class EngineProcess:
@@ -385,17 +301,13 @@ class GroupHooks:
         """The runtime is done with the group (after the engine stopped)."""
 
 
-#: Once the group has lost a host, how long the engine gets to exit before SIGKILL.
-GROUP_LOST_GRACE_S = 5.0
-
-
 def _group_lost(engine: EngineProcess, loss: GroupLoss, group: GroupHooks, log: logging.Logger) -> ExitReport:
     if loss.orderly:
         log.info(f"{loss.message}: stopping vLLM")
     else:
         log.error(f"{loss.message}: the group cannot serve without it; stopping vLLM")
     group.on_loss(loss)
-    code, killed = engine.stop(_within(GROUP_LOST_GRACE_S))
+    code, killed = engine.stop(deadline_within(GROUP_LOST_GRACE_S))
     log.info("vLLM stopped" + (" (killed)" if killed else ""))
     return ExitReport("stopped" if loss.orderly else "group-lost", code, 0 if loss.orderly else 1)
 
@@ -437,109 +349,186 @@ def supervise(
     group) the engine is stopped as soon as the group has lost a host, and a stop waits for what
     ``group.before_stop`` waits for (a worker: its leader's end) before signalling the engine.
     Until ready, the engine's log (and ``download_folder``, the served repository's folder in the
-    Hugging Face cache, for downloads) tells which start-up phase it is in."""
+    Hugging Face cache, for downloads) tells which start-up phase it is in.
+
+    The phases, each ending the run with an :class:`ExitReport` or handing on to the next:
+    :func:`_start`, :func:`_wait_for_ready`, :func:`_serve`, :func:`_stop`; whatever the path out,
+    :func:`_let_group_leave` last."""
     if stop.set:  # the signal came while the launch was being prepared: start nothing
-        log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was started: "
-                 "not starting it")
+        log.info(f"received {_signal_name(stop)} before vLLM was started: not starting it")
         return ExitReport("stopped", None, 0)
+    started = _start(engine, headless=ready_url is None, log=log)
+    try:
+        if ready_url is not None:
+            report = _wait_for_ready(engine, started, ready_url, ready_timeout_s, log, on_ready, stop,
+                                     api_port, download_folder, group)
+            if report is not None:
+                return report
+        report = _serve(engine, log, stop, group)
+        return report if report is not None else _stop(engine, drain_timeout_s, log, stop, group)
+    except BaseException:
+        engine.stop(deadline_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
+        raise
+    finally:
+        _let_group_leave(engine)
+
+
+@dataclass
+class _Started:
+    """What :func:`_start` hands on: when the engine started, and the reading of its start-up phases."""
+
+    at: float
+    phases: StartupPhases
+    follower: LogFollower
+
+
+def _signal_name(stop: StopFlag) -> str:
+    return signal.Signals(stop.signal or signal.SIGTERM).name
+
+
+def _start(engine: EngineProcess, headless: bool, log: logging.Logger) -> _Started:
+    """Phase 1: start the engine; its start-up phases are read from what it appends to its log."""
     try:
         log_offset = engine.log_path.stat().st_size
     except OSError:
         log_offset = 0
-    started = time.monotonic()
+    at = time.monotonic()
     engine.start()
-    last_progress = started
-    ready = ready_url is None
-    if ready:
+    if headless:
         log.info("vLLM started headless (a worker of the group): it serves through the leader's API")
-    phases = StartupPhases(started)
-    follower = LogFollower(engine.log_path, log_offset)
-    try:
-        while True:
-            code = engine.poll()  # has it exited? before: is it ready?
-            if code is not None:
-                engine.signal_group(signal.SIGKILL)
-                ended = _orderly_group_end(group)
-                if ended is not None:  # a worker's vLLM may notice its leader's stop before the word does
-                    log.info(f"{ended.message}: vLLM stopped ({describe_exit(code)})")
-                    return ExitReport("stopped", code, 0)
-                tail = log_tail(engine.log_path)
-                if not ready:
-                    _follow(phases, follower, download_folder, time.monotonic())
-                when = f"before becoming ready, while {phases.phase}" if not ready else "while serving"
-                log.error(f"vLLM exited ({describe_exit(code)}) {when}")
-                if not ready:
-                    log.error(f"start-up phases until then: {phases.describe_durations(time.monotonic())}")
-                log.error(f"last lines of {engine.log_path}:")
-                for line in tail:
-                    log.error(f"  | {line}")
-                hint = hint_for(tail)
-                if hint:
-                    log.error(f"hint: {hint}")
-                return ExitReport("early-exit" if not ready else "died", code, code if code > 0 else 1)
-            loss = group.loss() if group is not None else None
-            if loss is not None:
-                return _group_lost(engine, loss, group, log)  # type: ignore[arg-type]
-            if stop.set and not ready:
-                # Nothing can be in flight before ready: no drain, and vLLM may ignore SIGTERM while
-                # it initialises, so the group is killed after a short grace.
-                log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name} before vLLM was ready: "
-                         f"stopping it now (nothing in flight)")
-                code, killed = engine.stop(_within(EARLY_STOP_GRACE_S))
-                log.info("vLLM stopped before it was ready" + (" (killed)" if killed else ""))
-                return ExitReport("stopped", code, 0)
-            if stop.set:
-                latest = stop_bound_s(drain_timeout_s)
-                deadline = time.monotonic() + latest
-                log.info(f"received {signal.Signals(stop.signal or signal.SIGTERM).name}: stopping vLLM "
-                         f"(drain up to {drain_timeout_s:g} s, stopped within {latest:g} s at the latest; "
-                         "a second signal stops it at once)")
-                if group is not None:
-                    group.before_stop(deadline - KILL_WAIT_S, lambda: stop.again)
-                code, killed = engine.stop(deadline, escalate=lambda: stop.again)
-                if killed and stop.again:
-                    log.warning("second signal: vLLM killed without finishing its drain")
-                    return ExitReport("killed", code, StopForced.exit_code)
-                if killed:
-                    log.error("vLLM did not stop within the drain time: killed")
-                    return ExitReport("killed", code, DrainOverrun.exit_code)
-                log.info(f"vLLM stopped ({describe_exit(code if code is not None else 0)})")
-                clean = code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
-                return ExitReport("stopped", code, 0 if clean else 1)
-            now = time.monotonic()
-            if not ready and ready_url is not None:
-                _follow(phases, follower, download_folder, now)
-                if http_ok(ready_url):
-                    problem = _port_problem(engine, ready_url, api_port)
-                    if problem is not None:
-                        log.error(f"{problem}; the engine is not declared ready")
-                        log.error("the API port must be this runtime's alone: stop the other process, or serve on "
-                                  "a free port (CF_PORT, or --port in the vLLM arguments); stopping vLLM")
-                        engine.stop(_within(EARLY_STOP_GRACE_S))
-                        return ExitReport("not-ours", None, 1)
-                    ready = True
-                    ready_at = time.monotonic()
-                    _follow(phases, follower, download_folder, ready_at)
-                    for line in phases.ready_summary(ready_at):
-                        log.info(line)
-                    on_ready()
-                elif now - started > ready_timeout_s:
-                    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s, still {phases.phase} "
-                              "(raise CF_READY_TIMEOUT_S if it needs longer): stopping it")
-                    engine.stop(_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
-                    return ExitReport("timeout", None, 1)
-                elif now - last_progress >= PROGRESS_INTERVAL_S:
-                    last_progress = now
-                    log.info(f"engine starting, {now - started:.0f} s so far: {phases.progress(now)} "
-                             f"(details in {engine.log_path})")
-            time.sleep(POLL_INTERVAL_S)
-    except BaseException:
-        engine.stop(_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
-        raise
-    finally:
-        # SIGKILLed members take a moment to leave the group; a stop has had its KILL_WAIT_S for that
-        deadline = min(time.monotonic() + KILL_WAIT_S, engine.stop_deadline or math.inf)
-        while engine.group_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not engine.group_alive():  # otherwise the watchdog stays, to kill the group when we exit
-            engine.release_watchdog()
+    return _Started(at, StartupPhases(at), LogFollower(engine.log_path, log_offset))
+
+
+def _wait_for_ready(engine: EngineProcess, started: _Started, ready_url: str, ready_timeout_s: float,
+                    log: logging.Logger, on_ready: Callable[[], None], stop: StopFlag, api_port: int | None,
+                    download_folder: Path | None, group: GroupHooks | None) -> ExitReport | None:
+    """Phase 2: poll until ``ready_url`` answers from the engine (``on_ready`` is then called and
+    ``None`` returned), or end the run: the engine exited, the group lost a host, a stop signal, the
+    port is another process's, or ``ready_timeout_s`` passed."""
+    last_progress = started.at
+    ready = False
+    while not ready:
+        code = engine.poll()  # has it exited? before: is it ready?
+        if code is not None:
+            return _engine_exited(engine, code, log, group, started, download_folder)
+        if group is not None and (loss := group.loss()) is not None:
+            return _group_lost(engine, loss, group, log)
+        if stop.set:
+            return _stop_before_ready(engine, log, stop)
+        now = time.monotonic()
+        _follow(started.phases, started.follower, download_folder, now)
+        if http_ok(ready_url):
+            problem = _port_problem(engine, ready_url, api_port)
+            if problem is not None:
+                return _refuse_foreign_port(engine, log, problem)
+            ready = True
+            _declare_ready(started, download_folder, log, on_ready)
+        elif now - started.at > ready_timeout_s:
+            return _not_ready_in_time(engine, started, ready_timeout_s, log)
+        elif now - last_progress >= PROGRESS_INTERVAL_S:
+            last_progress = now
+            log.info(f"engine starting, {now - started.at:.0f} s so far: {started.phases.progress(now)} "
+                     f"(details in {engine.log_path})")
+        time.sleep(POLL_INTERVAL_S)
+    return None
+
+
+def _declare_ready(started: _Started, download_folder: Path | None, log: logging.Logger,
+                   on_ready: Callable[[], None]) -> None:
+    """The engine answers its readiness probe: log how long each start-up phase took, then ``on_ready``."""
+    ready_at = time.monotonic()
+    _follow(started.phases, started.follower, download_folder, ready_at)
+    for line in started.phases.ready_summary(ready_at):
+        log.info(line)
+    on_ready()
+
+
+def _not_ready_in_time(engine: EngineProcess, started: _Started, ready_timeout_s: float,
+                       log: logging.Logger) -> ExitReport:
+    log.error(f"vLLM did not become ready within {ready_timeout_s:g} s, still {started.phases.phase} "
+              "(raise CF_READY_TIMEOUT_S if it needs longer): stopping it")
+    engine.stop(deadline_within(SHUTDOWN_GRACE_S - KILL_WAIT_S))
+    return ExitReport("timeout", None, 1)
+
+
+def _stop_before_ready(engine: EngineProcess, log: logging.Logger, stop: StopFlag) -> ExitReport:
+    """A stop signal before the engine was ready. Nothing can be in flight before ready: no drain, and
+    vLLM may ignore SIGTERM while it initialises, so the group is killed after a short grace."""
+    log.info(f"received {_signal_name(stop)} before vLLM was ready: stopping it now (nothing in flight)")
+    code, killed = engine.stop(deadline_within(EARLY_STOP_GRACE_S))
+    log.info("vLLM stopped before it was ready" + (" (killed)" if killed else ""))
+    return ExitReport("stopped", code, 0)
+
+
+def _refuse_foreign_port(engine: EngineProcess, log: logging.Logger, problem: str) -> ExitReport:
+    """The API port answers, but not (only) from the engine: the engine is not declared ready."""
+    log.error(f"{problem}; the engine is not declared ready")
+    log.error("the API port must be this runtime's alone: stop the other process, or serve on "
+              "a free port (CF_PORT, or --port in the vLLM arguments); stopping vLLM")
+    engine.stop(deadline_within(EARLY_STOP_GRACE_S))
+    return ExitReport("not-ours", None, 1)
+
+
+def _serve(engine: EngineProcess, log: logging.Logger, stop: StopFlag, group: GroupHooks | None) -> ExitReport | None:
+    """Phase 3: the engine serves. Returns ``None`` on a stop signal (the stop is the next phase), or
+    ends the run when the engine exits or the group loses a host."""
+    while True:
+        code = engine.poll()
+        if code is not None:
+            return _engine_exited(engine, code, log, group, None, None)
+        if group is not None and (loss := group.loss()) is not None:
+            return _group_lost(engine, loss, group, log)
+        if stop.set:
+            return None
+        time.sleep(POLL_INTERVAL_S)
+
+
+def _stop(engine: EngineProcess, drain_timeout_s: float, log: logging.Logger, stop: StopFlag,
+          group: GroupHooks | None) -> ExitReport:
+    """Phase 4: a stop signal while serving. The engine drains up to ``drain_timeout_s`` and its group
+    is gone by :func:`~carbonforge_runtime.runtime.process.drain.stop_bound_s` after the signal; a
+    second signal kills it at once."""
+    latest = stop_bound_s(drain_timeout_s)
+    deadline = drain_deadline(drain_timeout_s)
+    log.info(f"received {_signal_name(stop)}: stopping vLLM "
+             f"(drain up to {drain_timeout_s:g} s, stopped within {latest:g} s at the latest; "
+             "a second signal stops it at once)")
+    if group is not None:
+        group.before_stop(deadline - KILL_WAIT_S, lambda: stop.again)
+    code, killed = engine.stop(deadline, escalate=lambda: stop.again)
+    if killed and stop.again:
+        log.warning("second signal: vLLM killed without finishing its drain")
+        return ExitReport("killed", code, StopForced.exit_code)
+    if killed:
+        log.error("vLLM did not stop within the drain time: killed")
+        return ExitReport("killed", code, DrainOverrun.exit_code)
+    log.info(f"vLLM stopped ({describe_exit(code if code is not None else 0)})")
+    clean = code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    return ExitReport("stopped", code, 0 if clean else 1)
+
+
+def _engine_exited(engine: EngineProcess, code: int, log: logging.Logger, group: GroupHooks | None,
+                   started: _Started | None, download_folder: Path | None) -> ExitReport:
+    """The engine's API server exited on its own: before it was ready (``started`` holds its start-up
+    phases) or while serving (``started`` is ``None``). Its group is killed; a group member whose
+    group is stopping in order ends cleanly, any other exit is reported from the engine's log."""
+    engine.signal_group(signal.SIGKILL)
+    ended = _orderly_group_end(group)
+    if ended is not None:  # a worker's vLLM may notice its leader's stop before the word does
+        log.info(f"{ended.message}: vLLM stopped ({describe_exit(code)})")
+        return ExitReport("stopped", code, 0)
+    tail = log_tail(engine.log_path)
+    if started is not None:
+        _follow(started.phases, started.follower, download_folder, time.monotonic())
+    return report_engine_exit(log, code, engine.log_path, tail, started.phases if started is not None else None)
+
+
+def _let_group_leave(engine: EngineProcess) -> None:
+    """The last step on every path out: SIGKILLed members take a moment to leave the group (a stop has
+    had its KILL_WAIT_S for that); once it is gone the watchdog is released, otherwise it stays, to
+    kill the group when the runtime exits."""
+    deadline = min(time.monotonic() + KILL_WAIT_S, engine.stop_deadline or math.inf)
+    while engine.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not engine.group_alive():
+        engine.release_watchdog()

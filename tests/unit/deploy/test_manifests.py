@@ -559,7 +559,7 @@ def test_the_inference_pool(rendered: dict[str, list[dict[str, Any]]]) -> None:
 
 def test_the_grace_period_rule_follows_the_recipes_and_the_runtime() -> None:
     from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
-    from carbonforge_runtime.runtime.process.supervisor import SHUTDOWN_GRACE_S, stop_timeout_s
+    from carbonforge_runtime.runtime.process.drain import SHUTDOWN_GRACE_S, stop_timeout_s
 
     assert cm.SHUTDOWN_GRACE_S == SHUTDOWN_GRACE_S
     assert cm.required_grace_s() >= 60

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from carbonforge_runtime.errors import DrainOverrun, StopForced
-from carbonforge_runtime.runtime.process import supervisor
+from carbonforge_runtime.runtime.process import drain, supervisor
 from tests.support import REPO, free_port, wait_until
 
 LOG = logging.getLogger("test-supervisor")
@@ -118,15 +118,15 @@ def test_a_drain_overrun_ends_within_the_announced_bound(tmp_path: Path, caplog:
     announced = re.search(r"stopped within ([0-9.]+) s at the latest", caplog.text)
     assert announced, caplog.text
     bound = float(announced[1])
-    assert bound == supervisor.stop_bound_s(1) == 1 + supervisor.SHUTDOWN_GRACE_S
+    assert bound == drain.stop_bound_s(1) == 1 + drain.SHUTDOWN_GRACE_S
     took = ended - signalled[0]
     # the supervision loop sees the signal within one poll; from then on every wait is bounded
     assert took <= bound + supervisor.POLL_INTERVAL_S + 0.5, (took, bound)
-    assert took >= bound - supervisor.KILL_WAIT_S - 1.0, (took, bound)  # the grace was given, not skipped
+    assert took >= bound - drain.KILL_WAIT_S - 1.0, (took, bound)  # the grace was given, not skipped
     assert report.outcome == "killed" and report.exit_code == DrainOverrun.exit_code == 124
     assert "vLLM did not stop within the drain time: killed" in caplog.text
     assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
-    assert supervisor.stop_timeout_s(1) >= bound + supervisor.RUNTIME_EXIT_MARGIN_S
+    assert drain.stop_timeout_s(1) >= bound + drain.RUNTIME_EXIT_MARGIN_S
 
 
 @pytest.mark.timeout(60)
@@ -143,7 +143,7 @@ def test_every_wait_of_a_stop_ends_by_its_deadline(tmp_path: Path) -> None:
         code, killed = engine.stop(started + 3.0)
         took = time.monotonic() - started
         assert killed and code == -signal.SIGKILL
-        assert 3.0 - supervisor.KILL_WAIT_S - 0.2 <= took <= 3.0 + 0.2, took
+        assert 3.0 - drain.KILL_WAIT_S - 0.2 <= took <= 3.0 + 0.2, took
         assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
     finally:
         engine.signal_group(signal.SIGKILL)

@@ -198,7 +198,7 @@ def test_the_drain_announced_and_enforced_is_the_one_vllm_runs(
         vllm_parse: Callable[[list[str]], argparse.Namespace | None], mode: str, spelling: list[str]) -> None:
     from carbonforge_runtime.runtime.planning.command import engine_args
     from carbonforge_runtime.runtime.planning.plan import ServeOptions, describe_plan
-    from carbonforge_runtime.runtime.process.supervisor import stop_bound_s
+    from carbonforge_runtime.runtime.process.drain import stop_bound_s
 
     plan = _plan(mode, spelling)
     namespace = vllm_parse(engine_args(plan.launch.argv))
