@@ -1,6 +1,7 @@
 """``carbonforge-runtime tune``: refusals, a better configuration on a trace the shipped recipe serves
-badly (issue 16, acceptance 6), results that do not depend on --jobs, and a written recipe that loads
-and launches with its departure logged."""
+badly (issue 16, acceptance 6), and a written recipe that loads and launches with its departure
+logged. That the result does not depend on --jobs (worker processes) is checked in
+tests/integration/test_tune_jobs.py."""
 
 from __future__ import annotations
 
@@ -51,13 +52,21 @@ def test_bad_input_is_refused_in_one_line_without_output(tmp_path: Path, args: l
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object], str]:
+    """One tune run, its candidates evaluated in this process: spawning workers (each importing vLLM
+    anew) is what test_tune_jobs in tests/integration checks; here the search and what it writes are."""
     pytest.importorskip("vllm")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from carbonforge_runtime.cli import tune as tune_cli
+
     base = tmp_path_factory.mktemp("tune")
-    trace = long_prompts(base / "long.jsonl", 150)
+    trace = long_prompts(base / "long.jsonl", 20)
     out = base / "r.json"
-    result = runner.invoke(cli.app, ["tune", str(trace), "--context-key", KEY, "--goal", "mean_e2e", "--load", "1.2",
-                                     "--budget", "20", "--jobs", "2", "-o", str(out), "--write", str(base / "recipes"),
-                                     "-q"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tune_cli, "_pool", lambda jobs: ThreadPoolExecutor(max_workers=1))
+        result = runner.invoke(cli.app, ["tune", str(trace), "--context-key", KEY, "--goal", "mean_e2e",
+                                         "--load", "1.2", "--budget", "20", "--jobs", "2", "-o", str(out),
+                                         "--write", str(base / "recipes"), "-q"])
     assert result.exit_code == 0, result.output
     return base, json.loads(out.read_text()), result.output
 
@@ -110,18 +119,3 @@ def test_the_written_recipe_loads_and_its_launch_logs_the_departure(
         shown = (flag if value else "--no-" + knob.replace("_", "-")) if isinstance(value, bool) else f"{flag} {value}"
         assert f"vllm.{knob} " in lines[0]
         assert shown in result.output
-
-
-def test_jobs_do_not_change_the_result(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    trace = long_prompts(tmp_path / "t.jsonl", 40, seed=3)
-    outputs = []
-    for jobs in ("1", "2"):
-        out = tmp_path / f"r{jobs}.json"
-        result = runner.invoke(cli.app, ["tune", str(trace), "--context-key", KEY, "--goal", "throughput",
-                                         "--slo", "ttft_p99=60s", "--budget", "5", "--jobs", jobs, "-o", str(out),
-                                         "-q"])
-        assert result.exit_code == 0, result.output
-        outputs.append(out.read_bytes())
-    assert outputs[0] == outputs[1]
-    assert len(json.loads(outputs[0])["candidates"]) == 5
