@@ -3,7 +3,8 @@ refused at once, with the path and the fix, by every reader: the library functio
 tools' commands and the dry run of ``serve``.
 
 Every check runs in a subprocess with a timeout, so that a read that blocks again fails the test
-instead of hanging the run.
+instead of hanging the run; a fresh interpreter for each is the point, which is why this file lives in
+tests/integration and not in tests/unit.
 """
 
 from __future__ import annotations
