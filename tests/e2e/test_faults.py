@@ -105,8 +105,13 @@ def test_a_drain_that_runs_out_ends_every_request_in_one_record_behind_a_dead_pr
     runtime, trace, proxy_env = override_engine.runtime, override_engine.trace, override_engine.proxy_env
     drain_s = DRAIN_S
     assert runtime.known_children, "the engine's processes were not seen"
-    # The requests of the check before this one: their records come first, and the engine counts them too.
-    earlier = len(trace.read_text().splitlines())
+    # The requests of the check before this one (chat_both_ways sends two): their records come first, once
+    # written, and the engine counts them too.
+    def earlier_records() -> int:
+        return len(trace.read_text().splitlines()) if trace.exists() else 0
+
+    assert wait_until(lambda: earlier_records() >= 2, 30), earlier_records()
+    earlier = earlier_records()
     pool = None
     try:
         health = subprocess.run(
