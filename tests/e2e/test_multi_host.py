@@ -3,7 +3,8 @@ the tiny model with pipeline parallel 2 across them on vLLM's own multiprocessin
 chat completions go through the leader's API with the OpenAI SDK, the scheduler plug-in runs in the
 leader's engine (the plain variant: vLLM turns async scheduling off under pipeline parallel) and
 writes the trace. On the same group, once those checks have read what they need, a killed worker
-turns the leader's /health to 503 and stops the leader, naming the rank. A worker that never starts
+turns the leader's /health to 503 and stops the leader, naming the rank; on a group of its own, a
+SIGTERM to the leader stops both cleanly. A worker that never starts
 stops the leader after the join timeout, naming the rank; a killed leader stops its worker.
 
 Data parallel on one host (two engine cores): each rank writes its own trace file, the directory
@@ -126,6 +127,23 @@ def test_a_leader_and_a_headless_worker_serve_one_model_across_two_hosts_until_t
         assert 503 in statuses, statuses
         assert "worker rank 1 of the group is gone" in leader.output()
         assert not leader.leftover_children()
+    finally:
+        leader.kill()
+        worker.kill()
+
+
+def test_a_sigterm_to_the_leader_stops_the_whole_group(tmp_path: Path) -> None:
+    """The orderly end of a group: the leader drains, then tells the worker, which stops too."""
+    leader, worker = start_group(tmp_path)
+    try:
+        leader.wait_ready(timeout_s=420)
+        assert wait_until(lambda: worker.says("group: joined the leader 127.0.0.1"), 60), worker.output()
+        worker.known_children = descendants(worker.proc.pid)  # type: ignore[union-attr]
+        assert leader.stop(timeout_s=90) == 0
+        assert "vLLM stopped" in leader.output()
+        assert worker.wait(timeout_s=30) == 0
+        assert "stopped the group" in worker.output()
+        assert not leader.leftover_children() and not worker.leftover_children()
     finally:
         leader.kill()
         worker.kill()
