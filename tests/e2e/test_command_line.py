@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from tests.support import TINY_KEY, RuntimeProcess, alive, descendants, free_port, wait_until
@@ -40,18 +41,15 @@ server.serve_forever()
 
 
 def engines_on(port: int) -> set[int]:
-    """Live vLLM API server processes started for ``port`` (from their command lines in /proc)."""
+    """Live vLLM API server processes started for ``port`` (from their command lines)."""
     found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for process in psutil.process_iter():
         try:
-            command = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            words = process.cmdline()
+        except psutil.Error:
             continue
-        words = [word.decode(errors="replace") for word in command]
         if "vllm.entrypoints.openai.api_server" in words and f"--port {port}" in " ".join(words):
-            found.add(int(entry.name))
+            found.add(process.pid)
     return found
 
 

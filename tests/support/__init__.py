@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[2]
 TEST_RECIPES = REPO / "tests" / "support" / "recipes"
 TINY_KEY = "cf-tiny:bf16:chat:cpu"
@@ -67,56 +69,38 @@ def tiny_model_dir() -> Path:
 
 
 def descendants(pid: int) -> set[int]:
-    """All live descendants of ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
+    """All live descendants of ``pid``."""
+    try:
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 def listening_ports(pid: int) -> set[int]:
-    """TCP ports a process listens on (from /proc: its socket inodes against the LISTEN table)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().as_posix()
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    """TCP ports a process listens on."""
+    try:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return set()
+    return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def group_members(pgid: int) -> set[int]:
+    """Live processes (zombies excluded) whose process group is ``pgid``."""
+    members = set()
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if process.status() != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
+                members.add(process.pid)
+    return members
 
 
 class RuntimeProcess:
@@ -237,14 +221,16 @@ class RuntimeProcess:
         """The runtime's direct child: vLLM's API server process, never the watchdog beside it
         (``python -c``). Under a wrapper such as strace, the child is the runtime it runs."""
         assert self.proc is not None
-        for pid in sorted(descendants(self.proc.pid)):
+        try:
+            children = psutil.Process(self.proc.pid).children()
+        except psutil.Error:
+            children = []
+        for child in sorted(children, key=lambda c: c.pid):
             try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
+                if child.cmdline()[1:2] != ["-c"]:
+                    return child.pid
+            except psutil.Error:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and argv[1:2] != [b"-c"]:
-                return pid
         raise AssertionError("the runtime has no child process")
 
     def leftover_children(self) -> set[int]:
@@ -254,11 +240,12 @@ class RuntimeProcess:
         lines = []
         for pid in sorted(pids):
             try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
+                process = psutil.Process(pid)
+                cmd = " ".join(process.cmdline())
+                lines.append(f"pid {pid} state {process.status()} ppid {process.ppid()} pgid {os.getpgid(pid)}: "
+                             f"{cmd[:150]}")
+            except (psutil.Error, OSError):
                 continue
-            lines.append(f"pid {pid} state {stat[0]} ppid {stat[1]} pgid {stat[2]}: {cmd[:150]}")
         return "\n".join(lines)
 
 

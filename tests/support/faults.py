@@ -9,29 +9,13 @@ import signal
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 
-from tests.support import TINY_SERVED_NAME, RuntimeProcess, wait_until
+from tests.support import TINY_SERVED_NAME, RuntimeProcess, group_members, wait_until
 
 #: Within this time of the runtime's SIGKILL, nothing of the engine may be left.
 GONE_WITHIN_S = 10.0
-
-
-def group_members(pgid: int) -> set[int]:
-    """Live processes (zombies excluded) whose process group is ``pgid``, from /proc."""
-    members = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.add(int(entry.name))
-    return members
 
 
 def port_free(port: int) -> bool:

@@ -16,7 +16,7 @@ import pytest
 
 from carbonforge_runtime.errors import DrainOverrun, StopForced
 from carbonforge_runtime.runtime.process import drain, supervisor
-from tests.support import REPO, free_port, wait_until
+from tests.support import REPO, alive, free_port, group_members, wait_until
 
 LOG = logging.getLogger("test-supervisor")
 #: An engine that ignores SIGTERM (as vLLM does while it initialises) and never becomes ready.
@@ -170,26 +170,6 @@ time.sleep(600)
 """
 
 
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
-
-
 @pytest.mark.timeout(60)
 def test_sigkill_of_the_runtime_takes_the_whole_engine_group_with_it(tmp_path: Path) -> None:
     import json
@@ -204,7 +184,7 @@ def test_sigkill_of_the_runtime_takes_the_whole_engine_group_with_it(tmp_path: P
     runtime.kill()  # SIGKILL: no handler of ours runs
     runtime.wait(10)
     wait_until(lambda: not group_members(pgid), 10, every_s=0.1)
-    assert group_members(pgid) == [], "engine processes outlived the runtime"
+    assert group_members(pgid) == set(), "engine processes outlived the runtime"
     assert watchdog is not None
-    wait_until(lambda: not running(watchdog), 10, every_s=0.1)
-    assert not running(watchdog), "the watchdog stayed after doing its job"
+    wait_until(lambda: not alive(watchdog), 10, every_s=0.1)
+    assert not alive(watchdog), "the watchdog stayed after doing its job"
