@@ -31,6 +31,10 @@ CONTRACT_VERSION = 1
 #: The value of vLLM's ``--scheduler-cls``: a factory that picks the synchronous or asynchronous base.
 SCHEDULER_CLS = "carbonforge_runtime.engine.scheduler.make_scheduler"
 DEFAULT_FAMILY = "fcfs"
+#: What the scheduler logs (in vllm.log, followed by its engine-core pid) once that core has shut its
+#: executor down and written every trace record: the runtime may then end the core at once
+#: (:mod:`~carbonforge_runtime.runtime.process.shutdown_watch`).
+CORE_DONE_MARKER = "[shutdown] CarbonForge scheduler: records written, executor down; engine core pid"
 
 PROTOCOL_GRPC = "grpc"
 PROTOCOL_HTTP = "http/protobuf"

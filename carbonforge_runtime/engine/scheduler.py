@@ -34,7 +34,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from carbonforge_runtime.core.contract import ContractError, EngineContract, TraceConfig, full_level_banner_lines
+from carbonforge_runtime.core.contract import (
+    CORE_DONE_MARKER,
+    ContractError,
+    EngineContract,
+    TraceConfig,
+    full_level_banner_lines,
+)
 from carbonforge_runtime.core.feed_protocol import EngineCounters
 from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
 from carbonforge_runtime.core.ordering.registry import make_family, pick_next
@@ -468,10 +474,15 @@ class _CarbonForgeMixin:
         return False
 
     def shutdown(self) -> None:
+        """vLLM calls this after its executor has shut down. Once every record is written, one line
+        (:data:`~carbonforge_runtime.core.contract.CORE_DONE_MARKER`) tells the runtime that this
+        engine core holds nothing more: what is left of its exit may be skipped."""
         try:
             super().shutdown()  # type: ignore[misc]
         finally:
             self._cf_close()
+        if self._cf_stopping:
+            log.info("%s %d", CORE_DONE_MARKER, os.getpid())
 
     # --- completion ----------------------------------------------------------------------------
 

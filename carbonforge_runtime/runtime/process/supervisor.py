@@ -46,6 +46,7 @@ from carbonforge_runtime.runtime.process.exit_report import (  # ExitReport: wha
     report_engine_exit,
 )
 from carbonforge_runtime.runtime.process.port_owner import foreign_listener_problem
+from carbonforge_runtime.runtime.process.shutdown_watch import ShutdownWatch, group_running
 from carbonforge_runtime.runtime.process.startup_phases import (
     DOWNLOADING,
     LOADING,
@@ -56,6 +57,8 @@ from carbonforge_runtime.runtime.process.startup_phases import (
 )
 
 POLL_INTERVAL_S = 0.5
+#: During a stop with a :class:`ShutdownWatch`: how often the log is read.
+WATCH_INTERVAL_S = 0.05
 PROGRESS_INTERVAL_S = 10.0
 
 
@@ -204,40 +207,43 @@ class EngineProcess:
             return None
 
     def group_alive(self) -> bool:
+        """Whether a process of the engine's group still runs (zombies, which only wait to be
+        collected by their parent, do not count)."""
         if self._proc is None:
             return False
-        try:
-            os.killpg(self._proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return group_running(self._proc.pid)
 
-    def stop(self, deadline: float, escalate: Callable[[], bool] = lambda: False) -> tuple[int | None, bool]:
+    def stop(self, deadline: float, escalate: Callable[[], bool] = lambda: False,
+             watch: Callable[[], None] | None = None) -> tuple[int | None, bool]:
         """SIGTERM the engine's API server and have the whole group gone by ``deadline`` (a
         ``time.monotonic()`` value): SIGKILL to the group KILL_WAIT_S before it at the latest, at once
         as soon as ``escalate()`` is true (a second signal); every wait ends by ``deadline``.
 
         Only the leader is signalled: it drains in-flight requests and then shuts its own engine
         processes down in order. Signalling the whole group would kill the engine core and its
-        workers mid-drain. Returns (engine exit code, whether SIGKILL was needed).
+        workers mid-drain. ``watch``, when given, is called every WATCH_INTERVAL_S while waiting (a
+        :class:`~carbonforge_runtime.runtime.process.shutdown_watch.ShutdownWatch` reading the log).
+        Returns (engine exit code, whether SIGKILL was needed).
         """
         if self._proc is None:
             return None, False
         self.stop_deadline = deadline
         kill_at = deadline - KILL_WAIT_S
+        every_s = POLL_INTERVAL_S if watch is None else WATCH_INTERVAL_S
+        look = watch if watch is not None else (lambda: None)
         if self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGTERM)
         code = self._proc.poll()
         while code is None and time.monotonic() < kill_at and not escalate():
-            code = self.wait(min(POLL_INTERVAL_S, max(kill_at - time.monotonic(), 0.0)))
+            look()
+            code = self.wait(min(every_s, max(kill_at - time.monotonic(), 0.0)))
         killed = code is None
         # Give the leader's children a moment to finish their own exit, then remove stragglers.
         stragglers_until = min(time.monotonic() + STRAGGLER_GRACE_S, kill_at)
         while not killed and self.group_alive() and time.monotonic() < stragglers_until and not escalate():
-            time.sleep(0.1)
+            look()
+            time.sleep(min(every_s, 0.1))
         self.signal_group(signal.SIGKILL)
         if code is None:
             code = self.wait(max(deadline - time.monotonic(), 0.0))
@@ -480,7 +486,14 @@ def _serve(engine: EngineProcess, log: logging.Logger, stop: StopFlag, group: Gr
             return _group_lost(engine, loss, group, log)
         if stop.set:
             return None
-        time.sleep(POLL_INTERVAL_S)
+        _nap(stop, POLL_INTERVAL_S)
+
+
+def _nap(stop: StopFlag, seconds: float) -> None:
+    """Sleep ``seconds``, or less when a stop signal comes (seen within WATCH_INTERVAL_S)."""
+    until = time.monotonic() + seconds
+    while not stop.set and (left := until - time.monotonic()) > 0:
+        time.sleep(min(WATCH_INTERVAL_S, left))
 
 
 def _stop(engine: EngineProcess, drain_timeout_s: float, log: logging.Logger, stop: StopFlag,
@@ -495,16 +508,50 @@ def _stop(engine: EngineProcess, drain_timeout_s: float, log: logging.Logger, st
              "a second signal stops it at once)")
     if group is not None:
         group.before_stop(deadline - KILL_WAIT_S, lambda: stop.again)
-    code, killed = engine.stop(deadline, escalate=lambda: stop.again)
+    watch, look = _shutdown_watch(engine, log)
+    code, killed = engine.stop(deadline, escalate=lambda: stop.again, watch=look)
+    look()
     if killed and stop.again:
         log.warning("second signal: vLLM killed without finishing its drain")
         return ExitReport("killed", code, StopForced.exit_code)
     if killed:
         log.error("vLLM did not stop within the drain time: killed")
         return ExitReport("killed", code, DrainOverrun.exit_code)
+    if watch is not None and watch.ended_leader and code == -signal.SIGKILL:
+        log.info("vLLM stopped (its shutdown complete)")
+        return ExitReport("stopped", code, 0)
     log.info(f"vLLM stopped ({describe_exit(code if code is not None else 0)})")
     clean = code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
     return ExitReport("stopped", code, 0 if clean else 1)
+
+
+def _shutdown_watch(engine: EngineProcess, log: logging.Logger) -> tuple[ShutdownWatch | None, Callable[[], None]]:
+    """A :class:`ShutdownWatch` on what the engine appends to its log from now on, and the function
+    that feeds it (and logs what it did); no watch for an engine that was never started."""
+    if engine.pid is None:
+        return None, lambda: None
+    try:
+        offset = engine.log_path.stat().st_size
+    except OSError:
+        offset = 0
+    follower = LogFollower(engine.log_path, offset)
+    watch = ShutdownWatch(engine.pid)
+    broken: list[Exception] = []
+
+    def look() -> None:
+        if broken:
+            return
+        try:  # the watch only shortens a stop: a failure of its own leaves the stop as vLLM runs it
+            for line in follower.read_lines():
+                watch.feed(line)
+        except Exception as exc:
+            broken.append(exc)
+            log.warning(f"reading vLLM's shutdown from its log failed ({exc}): waiting for vLLM's own exit")
+        for action in watch.actions:
+            log.info(action)
+        watch.actions.clear()
+
+    return watch, look
 
 
 def _engine_exited(engine: EngineProcess, code: int, log: logging.Logger, group: GroupHooks | None,

@@ -24,14 +24,9 @@ DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time
 
 
 def group_gone(pgid: int, within_s: float = 5.0) -> bool:
-    def gone() -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    return wait_until(gone, within_s, every_s=0.05)
+    """No process of the group runs any more. A zombie does not count: it has exited and only waits
+    for its parent to collect it, which for an orphan is the machine's init, on its own schedule."""
+    return wait_until(lambda: not group_members(pgid), within_s, every_s=0.05)
 
 
 def signal_later(stop: supervisor.StopFlag, after_s: float, times: int = 1, between_s: float = 0.0) -> None:
@@ -188,3 +183,122 @@ def test_sigkill_of_the_runtime_takes_the_whole_engine_group_with_it(tmp_path: P
     assert watchdog is not None
     wait_until(lambda: not alive(watchdog), 10, every_s=0.1)
     assert not alive(watchdog), "the watchdog stayed after doing its job"
+
+
+#: A stand-in vLLM for the stop's log watch: an API server (argv: "leader", port, notes folder, the
+#: scheduler's line, "idle" or "busy") with an engine core whose worker ignores SIGTERM. Each writes
+#: the lines vLLM 0.32 writes during a stop and takes as long as vLLM does for the parts the watch
+#: may skip: the executor waits 9 s for its worker, the core's and the API server's teardowns take
+#: 30 s. A busy core drains for 1.5 s first and then exits by itself. The times of the steps go to
+#: files in the notes folder (CLOCK_MONOTONIC, the same in every process).
+FAKE_VLLM = r"""
+import http.server, os, signal, subprocess, sys, threading, time
+role, port, notes, marker, load = sys.argv[1:6]
+me = "__doc__ = " + repr(__doc__) + "\n" + __doc__
+def say(name, text):
+    print(f"({name} pid={os.getpid()}) INFO 12-04 16:57:24 [fake.py:1] {text}", flush=True)
+def note(name, value=None):
+    with open(os.path.join(notes, name), "w") as handle:
+        handle.write(repr(time.monotonic() if value is None else value))
+if role == "worker":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+if role == "core":
+    worker = subprocess.Popen([sys.executable, "-c", me, "worker", *sys.argv[2:]])
+    stop.wait()
+    say("EngineCore", "[shutdown] EngineCore: start mode=drain timeout=15s")
+    if load == "busy":
+        say("EngineCore", "[shutdown] EngineCore: draining in-flight requests count=1 timeout=15s")
+        time.sleep(1.5)
+    note("drain-over")
+    say("EngineCore", "[shutdown] EngineCore: request processing complete; starting resource teardown")
+    say("EngineCore", "[shutdown] EngineCore: exiting busy loop")
+    say("EngineCore", "[shutdown] Executor: waiting for worker exit count=1")
+    note("workers-waited")
+    until = time.monotonic() + 9.0
+    while worker.poll() is None and time.monotonic() < until:
+        time.sleep(0.02)
+    note("worker-gone")
+    worker.kill()
+    say("EngineCore", f"{marker} {os.getpid()}")
+    time.sleep(0.5 if load == "busy" else 30)
+    sys.exit(0)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+threading.Thread(target=http.server.HTTPServer(("127.0.0.1", int(port)), Health).serve_forever, daemon=True).start()
+core = subprocess.Popen([sys.executable, "-c", me, "core", *sys.argv[2:]])
+stop.wait()
+say("APIServer", "[shutdown] API server: shutdown triggered")
+core.terminate()
+note("core-exit", core.wait(60))
+say("APIServer", "[shutdown] API server: engine client stopped")
+print("INFO:     Waiting for application shutdown.", flush=True)
+print("INFO:     Application shutdown complete.", flush=True)
+time.sleep(30)
+"""
+
+
+def fake_vllm(tmp_path: Path, load: str) -> tuple[supervisor.EngineProcess, int, Path]:
+    from carbonforge_runtime.core.contract import CORE_DONE_MARKER
+
+    port, notes = free_port(), tmp_path / "notes"
+    notes.mkdir()
+    code = f"__doc__ = {FAKE_VLLM!r}\n{FAKE_VLLM}"
+    argv = [sys.executable, "-c", code, "leader", str(port), str(notes), CORE_DONE_MARKER, load]
+    return supervisor.EngineProcess(argv, dict(os.environ), tmp_path / "vllm.log"), port, notes
+
+
+def stop_after_ready(tmp_path: Path, engine: supervisor.EngineProcess, port: int,
+                     caplog: pytest.LogCaptureFixture) -> tuple[supervisor.ExitReport, float]:
+    stop = supervisor.StopFlag()
+    signalled: list[float] = []
+
+    def on_ready() -> None:
+        def fire() -> None:
+            signalled.append(time.monotonic())
+            stop(signal.SIGTERM, None)
+
+        threading.Timer(0.5, fire).start()
+
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 15, LOG, on_ready, stop)
+    return report, time.monotonic() - signalled[0]
+
+
+def noted(notes: Path, name: str) -> float:
+    return float((notes / name).read_text())
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_with_nothing_in_flight_ends_what_has_finished_and_is_over_within_3_s(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine, port, notes = fake_vllm(tmp_path, "idle")
+    report, took = stop_after_ready(tmp_path, engine, port, caplog)
+    assert report.outcome == "stopped" and report.exit_code == 0, caplog.text
+    assert took < 3.0, (took, caplog.text)  # vLLM's own waits would take 9 s, then 30 s twice
+    assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
+    # the worker was ended once its core waited for it, not before, and not 9 s later
+    assert noted(notes, "workers-waited") <= noted(notes, "worker-gone") < noted(notes, "workers-waited") + 2.0
+    assert float((notes / "core-exit").read_text()) == -signal.SIGKILL  # its 30 s teardown skipped
+    assert "ended 1 worker process(es) at once" in caplog.text
+    assert "had nothing in flight: ended without waiting for its teardown" in caplog.text
+    assert "vLLM stopped (its shutdown complete)" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_during_a_drain_ends_nothing_before_the_drain_is_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine, port, notes = fake_vllm(tmp_path, "busy")
+    report, took = stop_after_ready(tmp_path, engine, port, caplog)
+    assert report.outcome == "stopped" and report.exit_code == 0, caplog.text
+    assert 1.5 <= took < 1.5 + 3.0, (took, caplog.text)
+    assert engine.pid is not None and group_gone(engine.pid, within_s=0.5)
+    assert noted(notes, "drain-over") <= noted(notes, "workers-waited") <= noted(notes, "worker-gone")
+    assert float((notes / "core-exit").read_text()) == 0  # a core that drained exits by itself
+    assert "had nothing in flight" not in caplog.text
