@@ -27,4 +27,7 @@ def tiny_model() -> str:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """How many runtime processes the run started (each end-to-end start costs half a minute or more)."""
     if STARTS:
-        terminalreporter.write_line(f"runtime processes started: {len(STARTS)}")
+        # vllm.log appears in a runtime's log directory once it has started vLLM (a licence refusal,
+        # a dry run or the doctor starts none); a two-host group counts one per host.
+        engines = sum(1 for log_dir in STARTS if (log_dir / "vllm.log").exists())
+        terminalreporter.write_line(f"runtime processes started: {len(STARTS)}, {engines} of them started vLLM")

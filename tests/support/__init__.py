@@ -25,7 +25,7 @@ TINY_SERVED_NAME = "carbonforge/tiny-chat"
 T = TypeVar("T")
 
 #: Runtime processes started by this test run (``RuntimeProcess.start``); the suite prints the count.
-STARTS: list[str] = []
+STARTS: list[Path] = []
 
 
 def wait_until(check: Callable[[], T], timeout_s: float, *, every_s: float = 0.2, what: str = "") -> T:
@@ -137,7 +137,7 @@ class RuntimeProcess:
 
     def start(self) -> RuntimeProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        STARTS.append(" ".join(self.args))
+        STARTS.append(self.log_dir)
         with self.output_path.open("wb") as out:
             self.proc = subprocess.Popen(
                 [*self.python, *self.args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
