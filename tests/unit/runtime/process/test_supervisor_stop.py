@@ -101,24 +101,11 @@ def test_a_drain_overrun_ends_within_the_announced_bound(tmp_path: Path, caplog:
     monkeypatch.setattr(drain, "SHUTDOWN_GRACE_S", 4.0)
     port = free_port()
     engine = deaf_engine_double(port, tmp_path / "vllm.log")
-    stop = supervisor.StopFlag()
-    signalled: list[float] = []
-
-    def on_ready() -> None:
-        def fire() -> None:
-            signalled.append(time.monotonic())
-            stop(signal.SIGTERM, None)
-
-        threading.Timer(0.2, fire).start()
-
-    with caplog.at_level(logging.INFO, logger=LOG.name):
-        report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 1, LOG, on_ready, stop)
-    ended = time.monotonic()
+    report, took = stop_after_ready(tmp_path, engine, port, caplog, delay_s=0.2, drain_s=1)
     announced = re.search(r"stopped within ([0-9.]+) s at the latest", caplog.text)
     assert announced, caplog.text
     bound = float(announced[1])
     assert bound == drain.stop_bound_s(1) == 1 + drain.SHUTDOWN_GRACE_S
-    took = ended - signalled[0]
     # the supervision loop sees the signal within one poll; from then on every wait is bounded
     assert took <= bound + supervisor.POLL_INTERVAL_S + 0.5, (took, bound)
     assert took >= bound - drain.KILL_WAIT_S - 1.0, (took, bound)  # the grace was given, not skipped
@@ -255,7 +242,10 @@ def fake_vllm(tmp_path: Path, load: str) -> tuple[supervisor.EngineProcess, int,
 
 
 def stop_after_ready(tmp_path: Path, engine: supervisor.EngineProcess, port: int,
-                     caplog: pytest.LogCaptureFixture) -> tuple[supervisor.ExitReport, float]:
+                     caplog: pytest.LogCaptureFixture, delay_s: float = 0.5,
+                     drain_s: float = 15) -> tuple[supervisor.ExitReport, float]:
+    """Supervise ``engine``, send it a stop ``delay_s`` after ready; the report and the seconds from
+    the signal to the end of the stop."""
     stop = supervisor.StopFlag()
     signalled: list[float] = []
 
@@ -264,10 +254,10 @@ def stop_after_ready(tmp_path: Path, engine: supervisor.EngineProcess, port: int
             signalled.append(time.monotonic())
             stop(signal.SIGTERM, None)
 
-        threading.Timer(0.5, fire).start()
+        threading.Timer(delay_s, fire).start()
 
     with caplog.at_level(logging.INFO, logger=LOG.name):
-        report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, 15, LOG, on_ready, stop)
+        report = supervisor.supervise(engine, f"http://127.0.0.1:{port}/health", 60, drain_s, LOG, on_ready, stop)
     return report, time.monotonic() - signalled[0]
 
 
