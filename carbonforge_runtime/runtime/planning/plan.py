@@ -390,7 +390,11 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
         for extra in launch.extra_args:
             out.append(f"  {extra.name}    ({extra.source})")
     if recipe:
-        out.append(f"scheduler:          {recipe.scheduler.family} {dict(recipe.scheduler.params) or ''}")
+        if launch.contract is None:  # another --scheduler-cls replaces the recipe's family
+            out.append(f"scheduler:          {user_scheduler_cls(engine_args(launch.argv))} (--scheduler-cls; "
+                       f"the recipe's {recipe.scheduler.family} is not loaded)")
+        else:
+            out.append(f"scheduler:          {recipe.scheduler.family} {dict(recipe.scheduler.params) or ''}")
         out.append(f"controller:         {recipe.controller.policy}")
         covered = {entry.name for entry in plan.privacy.lines} if plan.privacy else set()
         covered |= {entry.name for entry in plan.compile_cache.lines} if plan.compile_cache else set()

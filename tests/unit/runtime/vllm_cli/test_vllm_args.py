@@ -227,6 +227,11 @@ def test_the_users_scheduler_class_wins_in_any_spelling(
     assert SCHEDULER_CLS not in plan.launch.argv
     assert plan.launch.contract is None
     assert any("x.Y given: the CarbonForge scheduler is not loaded" in note for note in plan.launch.notes)
+    if mode == "recipe":
+        from carbonforge_runtime.runtime.planning.plan import ServeOptions, describe_plan
+
+        lines = describe_plan(plan, ServeOptions(), {})
+        assert "scheduler:          x.Y (--scheduler-cls; the recipe's fcfs is not loaded)" in lines, lines
 
 
 @pytest.mark.parametrize("mode", ["recipe", "override"])
