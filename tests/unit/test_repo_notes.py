@@ -4,6 +4,7 @@ command installs and how long it takes, and the default log directory kept out o
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 
@@ -21,7 +22,8 @@ def test_the_readme_says_tracing_is_off_by_default_and_how_to_turn_it_on() -> No
 def test_the_test_script_says_what_it_installs_and_how_long_it_takes() -> None:
     text = (REPO / "scripts" / "test.sh").read_text()
     echoed = "\n".join(line for line in text.splitlines() if line.startswith("echo"))
-    assert "vLLM CPU build" in echoed and "promtool" in echoed and "35 minutes" in echoed
+    assert "vLLM CPU build" in echoed and "promtool" in echoed
+    assert re.search(r"takes about \d+ minutes", echoed), echoed  # the measured time, stated in the header
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
