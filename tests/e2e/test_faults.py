@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
-import psutil
 import pytest
 
-from tests.support import REPO, TINY_KEY, RuntimeProcess, descendants, free_port, wait_until
-from tests.support.faults import assert_gone_after_sigkill, group_members
+from tests.support import REPO, TINY_KEY, RuntimeProcess, free_port, wait_until
+from tests.support.faults import assert_gone_after_sigkill, group_members, lower_engine_priority
 from tests.support.serving import chat_both_ways, stop_cleanly
 
 
@@ -84,17 +83,6 @@ class OverrideEngine:
     runtime: RuntimeProcess
     trace: Path
     proxy_env: dict[str, str]
-
-
-def lower_engine_priority(runtime: RuntimeProcess) -> None:
-    """Every thread of vLLM's engine processes (not its API server) at nice 19. On two cores the engine
-    core's and the worker's busy loops can otherwise starve the API server for seconds, so that some
-    requests reach the engine only after the long ones have finished."""
-    api_server = runtime.engine_pid()
-    for pid in descendants(api_server):
-        with contextlib.suppress(psutil.Error, OSError):
-            for thread in psutil.Process(pid).threads():
-                os.setpriority(os.PRIO_PROCESS, thread.id, 19)
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import openai
+import psutil
 
-from tests.support import TINY_SERVED_NAME, RuntimeProcess, group_members, wait_until
+from tests.support import TINY_SERVED_NAME, RuntimeProcess, descendants, group_members, wait_until
 
 #: Within this time of the runtime's SIGKILL, nothing of the engine may be left.
 GONE_WITHIN_S = 10.0
@@ -52,6 +53,16 @@ def assert_gone_after_sigkill(runtime: RuntimeProcess, moment: str) -> None:
     print(f"SIGKILL {moment}: {len(members)} engine processes gone and port free")
 
 
+def lower_engine_priority(runtime: RuntimeProcess) -> None:
+    """Every thread of vLLM's engine processes (not its API server) at nice 19. On two cores the engine
+    core's and the worker's busy loops can otherwise starve the API server for seconds, so that new
+    requests reach the engine only much later (or, under a stop, never)."""
+    for pid in descendants(runtime.engine_pid()):
+        with contextlib.suppress(psutil.Error, OSError):
+            for thread in psutil.Process(pid).threads():
+                os.setpriority(os.PRIO_PROCESS, thread.id, 19)
+
+
 def long_requests(runtime: RuntimeProcess, count: int, max_tokens: int) -> tuple[ThreadPoolExecutor, list[Future[int]]]:
     client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
 
@@ -70,6 +81,7 @@ def sigkill_under_load(runtime: RuntimeProcess, moment: str) -> None:
     way; then the runtime SIGKILLed alone: nothing of the engine may be left and its port is free."""
     pool = None
     try:
+        lower_engine_priority(runtime)
         pool, futures = long_requests(runtime, 6, max_tokens=1500)
         time.sleep(2.0)  # the requests are running
         assert not any(f.done() for f in futures), "the load ended before the kill"
