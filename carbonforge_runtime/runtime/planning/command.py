@@ -250,14 +250,14 @@ def build_recipe_plan(
     # The drain is the recipe's unless the extra flags set it (vLLM keeps the last): the runtime
     # then adds none and enforces theirs.
     user_args = [*recipe.extra_args, *env_extra, *extra_args]
-    drain = drain_seconds(read(user_args), recipe.drain_timeout_s)
-    if not read(user_args).given(DRAIN_FLAG):
+    given = read(user_args)
+    drain = drain_seconds(given, recipe.drain_timeout_s)
+    if not given.given(DRAIN_FLAG):
         argv += [DRAIN_FLAG, _seconds_text(drain)]
-    sched_args, contract, sched_notes = scheduler_wiring(
-        [*recipe.extra_args, *env_extra, *extra_args], recipe.scheduler.family, recipe.scheduler.params, trace
-    )
+    sched_args, contract, sched_notes = scheduler_wiring(user_args, recipe.scheduler.family,
+                                                         recipe.scheduler.params, trace)
     argv += sched_args
-    api_args, api = api_wiring(recipe.api, [*recipe.extra_args, *env_extra, *extra_args])
+    api_args, api = api_wiring(recipe.api, user_args)
     argv += api_args
     argv += env_extra + list(extra_args)
 
