@@ -30,6 +30,10 @@ API_CONTRACT_VARIABLE = "CF_API_CONFIG"
 #: Names a file the API server checks on ``/health``: once it exists (the leader of a multi-host group
 #: lost a host), ``/health`` answers 503, so that probes and load balancers stop sending at once.
 GROUP_DOWN_VARIABLE = "CF_GROUP_DOWN_FILE"
+#: Names a file the API server checks on every request: once it exists (the licence the server was
+#: started under has expired), new requests are answered 503 ``licence_expired``; requests already
+#: in flight finish.
+LICENCE_EXPIRED_VARIABLE = "CF_LICENCE_EXPIRED_FILE"
 EFFORTS = ("low", "medium", "xhigh")
 DEFAULT_EFFORT = "low"
 #: The effort that turns thinking off.
