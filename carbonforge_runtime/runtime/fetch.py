@@ -29,8 +29,22 @@ from carbonforge_runtime.runtime.weights.hub_cache import (
     download,
     format_bytes,
     hub_cache_dir,
+    hub_listing,
     missing_summary,
+    repo_folder,
     snapshot_state,
+)
+from carbonforge_runtime.runtime.weights.lock import (
+    LockCheck,
+    LockUnreadable,
+    WeightsLock,
+    blob_of,
+    check_snapshot,
+    needs_hub,
+    read_lock,
+    relock_times,
+    verify_fetched,
+    write_lock,
 )
 from carbonforge_runtime.settings import DEFAULT_API_PORT, Settings
 
@@ -159,14 +173,75 @@ def _report(result: FetchResult, elapsed_s: float) -> str:
             f"({format_bytes(result.downloaded_bytes)}) into {result.cache_dir} in {elapsed_s:.1f} s")
 
 
+def lock_fetched(result: FetchResult, target: FetchTarget, environ: Mapping[str, str]) -> tuple[Path, bool]:
+    """Compare every fetched file with the hub's listing and record the lock (the commit, each file's
+    size, sha256 and time); returns the lock's path and whether the hub was asked (False: every file
+    still matches the lock of the same commit). A mismatch deletes nothing: it raises, naming the file."""
+    cache_dir = result.cache_dir
+    try:
+        previous = read_lock(cache_dir, result.repo, result.commit)
+    except LockUnreadable:
+        previous = None  # replaced by the one written below, after every file is compared with the hub
+    names = sorted(result.files)
+    asked = needs_hub(cache_dir, result.repo, result.commit, names, previous)
+    listing = hub_listing(result.repo, result.commit, environ) if asked else None
+    lock, problems = verify_fetched(cache_dir, result.repo, target.revision, result.commit, names, listing,
+                                    previous)
+    if problems:
+        name, why = problems[0]
+        more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+        blob = blob_of(repo_folder(cache_dir, result.repo) / "snapshots" / result.commit / name)
+        raise CarbonForgeError(
+            f"{target.label}: the downloaded {name} of {result.repo} at {result.commit[:12]} does not match the "
+            f"hub's listing: {why}{more}; nothing was deleted and no lock was written",
+            f"delete {blob} and run fetch again; if it fails the same way, what answers at "
+            f"{_endpoint(environ)} (a mirror, a proxy) serves other bytes than the hub lists: fetch through another",
+        )
+    endpoint = _endpoint(environ)
+    lock = WeightsLock(lock.repo, lock.revision, lock.commit, lock.files, endpoint, lock.verified_at)
+    return write_lock(cache_dir, lock), asked
+
+
+def _endpoint(environ: Mapping[str, str]) -> str:
+    return (environ.get("HF_ENDPOINT") or "").strip().rstrip("/") or "https://huggingface.co"
+
+
+def lock_problem(check: LockCheck, label: str) -> CarbonForgeError:
+    """The refusal for weights that no longer match their lock (or whose lock cannot be read)."""
+    first = check.problems[0] if check.problems else "the lock does not match"
+    more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
+    return CarbonForgeError(
+        f"the weights of {check.repo} at {check.commit[:12]} do not match the lock fetch wrote: {first}{more}",
+        f"run `carbonforge-runtime fetch {label}` again where the hub is reachable (it compares every file with "
+        "the hub and names the one to delete), or carry a freshly fetched cache over",
+    )
+
+
 def _check_offline(target: FetchTarget, cache_dir: Path, environ: Mapping[str, str]) -> str:
-    """With HF_HUB_OFFLINE on nothing can be downloaded: say whether the cache already has it all."""
+    """With HF_HUB_OFFLINE on nothing can be downloaded: say whether the cache already has it all, and
+    compare every file's sha256 with the lock fetch wrote (recording the files' times again when only
+    those changed, as in a cache copied without them)."""
     state = snapshot_state(cache_dir, target.repo, target.revision)
     choice = hub_offline_choice(environ)
     switch = f"{choice[0]}={choice[1]}" if choice else "HF_HUB_OFFLINE=1"
     if state.complete:
-        return (f"{switch} is set, so nothing was downloaded; the snapshot of {target.label} in {cache_dir} "
+        check = check_snapshot(cache_dir, target.repo, target.revision, deep=True)
+        head = (f"{switch} is set, so nothing was downloaded; the snapshot of {target.label} in {cache_dir} "
                 f"is complete ({len(state.expected)} files)")
+        if check is None or check.status == "no-lock":
+            return head + "; it has no lock (not fetched by this runtime): its files are not verified"
+        if not check.ok:
+            raise lock_problem(check, target.label)
+        try:
+            relocked = relock_times(cache_dir, check)
+        except OSError as exc:
+            raise CarbonForgeError(
+                f"the files of {target.label} match their lock, but {len(check.touched)} have new modification "
+                f"times and the lock cannot be written again ({exc.strerror or exc})",
+                f"run this fetch where {cache_dir} can be written, so that serving's quick check passes") from None
+        again = (f"; {len(check.touched)} file(s) had new modification times with the same content: recorded "
+                 "again") if relocked else ""
+        return head + f" and matches its lock at {check.commit[:12]} (sha256 of {check.files} files){again}"
     what = (f"{target.repo} is not in {cache_dir}" if state.snapshot is None
             else f"the snapshot of {target.repo} in {cache_dir} lacks {missing_summary(state.missing)}")
     raise CarbonForgeError(f"{switch} is set, so fetch cannot download, and {what}",
@@ -200,6 +275,10 @@ def fetch(keys: Sequence[str], model: str | None, to: str | None, settings: Sett
             started = time.monotonic()
             result = download(target.repo, target.revision, cache_dir, environ, say=say, terminal=terminal)
             say(f"{target.label}: {_report(result, time.monotonic() - started)}")
+            lock, asked = lock_fetched(result, target, environ)
+            how = ("every file matches the hub's listing (sha256 or Git blob id)" if asked
+                   else "every file still matches its lock")
+            say(f"{target.label}: {how}; commit {result.commit} and each file's sha256 recorded in {lock}")
         served.append(target)
     if not served:
         return

@@ -3,7 +3,8 @@ makes, answered over real HTTP from files held in memory. Reached through ``HF_E
 
 Answered (read from huggingface_hub 2.4's ``hf_api.py``, ``file_download.py``, ``_snapshot_download.py``):
 
-* ``GET /api/models/ORG/NAME/revision/REV``: the model info (``id``, ``sha``, ``siblings``);
+* ``GET /api/models/ORG/NAME/revision/REV``: the model info (``id``, ``sha``, ``siblings``; with
+  ``?blobs=true`` each sibling's ``size``, ``blobId`` and ``lfs``);
 * ``GET /api/models/ORG/NAME/tree/REV``: the recursive file listing (``type``, ``path``, ``size``,
   ``oid``, and ``lfs`` for weight files);
 * ``HEAD`` and ``GET /ORG/NAME/resolve/REV/FILE``: ``X-Repo-Commit``, ``ETag`` (``X-Linked-Etag`` and
@@ -11,7 +12,8 @@ Answered (read from huggingface_hub 2.4's ``hf_api.py``, ``file_download.py``, `
 
 Errors carry the ``X-Error-Code`` the library maps to its exceptions (``RepoNotFound``,
 ``RevisionNotFound``, ``EntryNotFound``, ``GatedRepo``). Every request is recorded, and a file can
-be made to break its next transfer halfway (the connection is cut after half the body).
+be made to break its next transfer halfway (the connection is cut after half the body), or to send
+other bytes than the listing describes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Repo:
     refs: dict[str, str] = field(default_factory=dict)
     #: A token the requests must carry (a gated repository), or None.
     token: str | None = None
+    #: Files whose transfer sends these bytes instead of the ones the listing and headers describe.
+    altered: dict[str, bytes] = field(default_factory=dict)
 
     def commit_for(self, revision: str) -> str | None:
         if revision == self.commit:
@@ -88,6 +92,12 @@ class HubDouble:
             commit = digest.hexdigest()
         self.repos[repo] = Repo(dict(files), commit, dict(refs or {}), token)
         return commit
+
+    def alter_transfers(self, repo: str, filename: str, data: bytes) -> None:
+        """Every later transfer of this file sends ``data``, while the listing, the API and the headers
+        still describe the published file (a mirror or proxy that changes what it passes on)."""
+        with self._lock:
+            self.repos[repo].altered[filename] = data
 
     def cut_next_transfer(self, repo: str, filename: str) -> None:
         """The next GET of this file sends half its bytes, then the connection drops."""
@@ -191,13 +201,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._record(path)
         parts = [unquote(part) for part in path.strip("/").split("/")]
         if len(parts) >= 6 and parts[:2] == ["api", "models"] and parts[4] in ("revision", "tree"):
-            self._api("/".join(parts[2:4]), parts[4], parts[5])
+            blobs = "blobs=true" in urlsplit(self.path).query.lower()
+            self._api("/".join(parts[2:4]), parts[4], parts[5], blobs)
         elif len(parts) >= 5 and parts[2] == "resolve":
             self._resolve("/".join(parts[:2]), parts[3], "/".join(parts[4:]))
         else:
             self._error(404, "NotFound")
 
-    def _api(self, name: str, what: str, revision: str) -> None:
+    def _api(self, name: str, what: str, revision: str, blobs: bool = False) -> None:
         repo = self._repo(name)
         if repo is None:
             return
@@ -208,10 +219,20 @@ class _Handler(BaseHTTPRequestHandler):
         if what == "revision":
             body = {"id": name, "modelId": name, "sha": commit, "private": False,
                     "gated": repo.token is not None and "manual",
-                    "siblings": [{"rfilename": filename} for filename in sorted(repo.files)]}
+                    "siblings": [self._sibling(filename, data, blobs) for filename, data in sorted(repo.files.items())]}
         else:
             body = [self._tree_entry(filename, data) for filename, data in sorted(repo.files.items())]
         self._send(200, json.dumps(body).encode())
+
+    @staticmethod
+    def _sibling(filename: str, data: bytes, blobs: bool) -> dict[str, object]:
+        """A file of the model info; with ``?blobs=true`` (``files_metadata``) its size, Git blob id and LFS sha256."""
+        if not blobs:
+            return {"rfilename": filename}
+        entry: dict[str, object] = {"rfilename": filename, "size": len(data), "blobId": git_oid(data)}
+        if filename.endswith(LFS_SUFFIXES):
+            entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        return entry
 
     @staticmethod
     def _tree_entry(filename: str, data: bytes) -> dict[str, object]:
@@ -243,7 +264,7 @@ class _Handler(BaseHTTPRequestHandler):
         header = self.headers.get("Range")
         if header and header.startswith("bytes="):
             start = int(header[len("bytes="):].split("-", 1)[0] or 0)
-        body = data[start:]
+        body = repo.altered.get(filename, data)[start:]
         status = 206 if start else 200
         if start:
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"

@@ -472,6 +472,40 @@ def download(repo: str, revision: str | None, cache_dir: Path, env: Mapping[str,
     return FetchResult(repo, revision, cache_dir, commit, first, files, downloaded)
 
 
+@dataclass(frozen=True)
+class HubEntry:
+    """One file as the hub lists it at a commit: its size, its Git blob id, and for a Git LFS file the
+    sha256 of its content (``model_info(files_metadata=True)``'s siblings)."""
+
+    path: str
+    size: int | None = None
+    git_oid: str | None = None
+    lfs_sha256: str | None = None
+
+
+def hub_listing(repo: str, commit: str, env: Mapping[str, str]) -> dict[str, HubEntry]:
+    """Every file of ``repo`` at ``commit`` as the hub lists it, with its hashes (one API request;
+    ``HF_ENDPOINT`` and ``HF_TOKEN`` from ``env``). Raises a CarbonForgeError with the fix."""
+    try:
+        from huggingface_hub import HfApi
+    except ImportError:
+        raise CarbonForgeError("fetch needs the huggingface_hub package, which is not installed",
+                               "install it into the runtime's environment (vLLM depends on it; the image ships "
+                               "it)") from None
+    endpoint = (env.get("HF_ENDPOINT") or "").strip().rstrip("/") or None
+    token = (env.get("HF_TOKEN") or "").strip() or None
+    try:
+        info = HfApi(endpoint=endpoint, token=token).model_info(repo, revision=commit, files_metadata=True)
+    except Exception as exc:  # huggingface_hub's and the network's errors, as one line and a fix
+        raise _hub_error(exc, repo, commit, endpoint or "https://huggingface.co") from None
+    entries: dict[str, HubEntry] = {}
+    for sibling in info.siblings or []:
+        lfs = sibling.lfs
+        entries[sibling.rfilename] = HubEntry(sibling.rfilename, sibling.size, sibling.blob_id,
+                                              lfs.sha256 if lfs is not None else None)
+    return entries
+
+
 def missing_summary(missing: Iterable[str], limit: int = 3) -> str:
     """``a, b, c (and 2 more)``."""
     names = list(missing)
