@@ -71,23 +71,31 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-#: The engine's watchdog: a small process in a session of its own, started beside the engine. It
-#: blocks reading a pipe whose only writer is the runtime. End of file means the runtime is gone,
-#: however it ended (SIGKILL included), and the watchdog then kills the engine's whole process
-#: group. Nothing here depends on vLLM handling a signal (it ignores SIGTERM while it initialises).
-#: On a normal stop the runtime kills the watchdog itself once the group is gone.
+#: The engine's watchdog: a small process in a session of its own, started BEFORE the engine, so
+#: that no engine ever runs without its kill path. It blocks reading a pipe whose only writer is the
+#: runtime; the runtime writes the engine's process group on the first line once the engine is
+#: spawned. End of file means the runtime is gone, however it ended (SIGKILL included), and the
+#: watchdog then kills that whole process group (none, if the pipe closed before a group was named:
+#: no engine was started). Nothing here depends on vLLM handling a signal (it ignores SIGTERM while it
+#: initialises). On a normal stop the runtime kills the watchdog itself once the group is gone.
 _WATCHDOG = """
 import os, signal, sys
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-pgid = int(sys.argv[1])
+line = sys.stdin.buffer.readline().strip()
+pgid = int(line) if line.isdigit() else 0
 while sys.stdin.buffer.read(4096):
     pass
-try:
-    os.killpg(pgid, signal.SIGKILL)
-except OSError:
-    pass
+if pgid > 1:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
 """
+
+#: How the engine and its watchdog are spawned: ``subprocess.Popen``, or a stand-in with its
+#: signature (tests make a spawn fail, as EAGAIN under a pids limit would).
+Spawn = Callable[..., subprocess.Popen[bytes]]
 
 
 #: Probes of our own engine go straight to it: an ``http_proxy`` in the environment (common on
@@ -122,10 +130,12 @@ def _follow(phases: StartupPhases, follower: LogFollower, download_folder: Path 
 class EngineProcess:
     """One vLLM engine. Nothing happens until :meth:`start`."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
+                 spawn: Spawn = subprocess.Popen) -> None:
         self.argv = list(argv)
         self.env = dict(env)
         self.log_path = log_path
+        self._spawn = spawn
         self._proc: subprocess.Popen[bytes] | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._watch_fd: int | None = None
@@ -137,40 +147,70 @@ class EngineProcess:
         return self._proc.pid if self._proc else None
 
     def start(self) -> None:
+        """Start the watchdog, then the engine, then tell the watchdog the engine's process group.
+
+        The kill path exists before the engine does: a failure to start the watchdog (EAGAIN under a
+        pids limit) starts no engine, and any failure once the engine is spawned kills its whole
+        process group before the error goes on. Raises ``OSError`` (or the operator's error for a
+        symbolic link planted as the log)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:  # a symbolic link planted as vllm.log is refused, never followed
             fd = files.open_append(self.log_path, 0o644)
         except files.SymlinkRefused as exc:
             raise exc.as_error() from None
         with os.fdopen(fd, "ab") as log:
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            log.write(f"\n===== carbonforge-runtime starting vLLM at {stamp} =====\n".encode())
-            log.write(("$ " + " ".join(redact_args(self.argv)) + "\n").encode())
-            log.flush()
-            self._proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        self._start_watchdog(self._proc.pid)
+            self._start_watchdog()
+            try:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                log.write(f"\n===== carbonforge-runtime starting vLLM at {stamp} =====\n".encode())
+                log.write(("$ " + " ".join(redact_args(self.argv)) + "\n").encode())
+                log.flush()
+                self._proc = self._spawn(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+                self._arm_watchdog(self._proc.pid)
+            except BaseException:
+                self._abandon_start()
+                raise
 
-    def _start_watchdog(self, pgid: int) -> None:
+    def _start_watchdog(self) -> None:
         read_end, write_end = os.pipe()  # neither end is inherited by the engine (close_fds)
         try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG, str(pgid)],
+            self._watchdog = self._spawn(
+                [sys.executable, "-c", _WATCHDOG],
                 stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )
-        except OSError:
+        except BaseException:
             os.close(write_end)
             raise
         finally:
             os.close(read_end)
         self._watch_fd = write_end
+
+    def _arm_watchdog(self, pgid: int) -> None:
+        """Name the engine's process group to the watchdog (it dies with the runtime from now on)."""
+        assert self._watch_fd is not None
+        line = f"{pgid}\n".encode()
+        if os.write(self._watch_fd, line) != len(line):  # a pipe takes a short write whole
+            raise OSError(f"the engine's watchdog was not told the engine's process group {pgid}")
+
+    def _abandon_start(self) -> None:
+        """A failure during :meth:`start`: kill whatever of the engine was spawned (its whole group)
+        and wait for it, then release the watchdog."""
+        if self._proc is not None:
+            self.signal_group(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(KILL_WAIT_S)
+            until = time.monotonic() + KILL_WAIT_S
+            while self.group_alive() and time.monotonic() < until:
+                time.sleep(0.05)
+        self.release_watchdog()
 
     @property
     def watchdog_pid(self) -> int | None:
@@ -363,8 +403,8 @@ def supervise(
     if stop.set:  # the signal came while the launch was being prepared: start nothing
         log.info(f"received {_signal_name(stop)} before vLLM was started: not starting it")
         return ExitReport("stopped", None, 0)
-    started = _start(engine, headless=ready_url is None, log=log)
-    try:
+    try:  # from the engine's spawn on, every failure kills its whole group before going on
+        started = _start(engine, headless=ready_url is None, log=log)
         if ready_url is not None:
             report = _wait_for_ready(engine, started, ready_url, ready_timeout_s, log, on_ready, stop,
                                      api_port, download_folder, group)
@@ -400,9 +440,13 @@ def _start(engine: EngineProcess, headless: bool, log: logging.Logger) -> _Start
         log_offset = 0
     at = time.monotonic()
     engine.start()
-    if headless:
-        log.info("vLLM started headless (a worker of the group): it serves through the leader's API")
-    return _Started(at, StartupPhases(at), LogFollower(engine.log_path, log_offset))
+    try:
+        if headless:
+            log.info("vLLM started headless (a worker of the group): it serves through the leader's API")
+        return _Started(at, StartupPhases(at), LogFollower(engine.log_path, log_offset))
+    except BaseException:  # nothing can be in flight yet: the group is killed at once
+        engine.stop(deadline_within(EARLY_STOP_GRACE_S))
+        raise
 
 
 def _wait_for_ready(engine: EngineProcess, started: _Started, ready_url: str, ready_timeout_s: float,
