@@ -62,7 +62,7 @@ READY_TIMEOUT_S = RUNTIME_DEFAULTS.ready_timeout_s
 MIN_GRACE_S = 60
 
 #: Variables whose value is a secret: they come from a Secret, never from a literal value or the args.
-SECRET_VARIABLES = ("CF_API_KEY", "CARBONFORGE_LICENSE_KEY", "HF_TOKEN")
+SECRET_VARIABLES = ("CF_API_KEY", "CARBONFORGE_LICENSE_KEY", "HF_TOKEN", "CF_GROUP_SECRET")
 #: Set by LeaderWorkerSet in every pod of a group; a value set by hand would give every pod one role.
 LWS_VARIABLES = ("LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS")
 #: Would win over LWS's variables, with one value for every pod of the group: each pod would take one role.
@@ -767,6 +767,256 @@ def _secret_problems(doc: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
                "`kubectl create secret` instead (docs/kubernetes.md)")
 
 
+# ---- hardened defaults: what a pod may do, write, use and reach --------------------------------------
+
+#: The image's build file: its ENV gives the defaults (HOME, CF_LOG_DIR, ...) that a pod's env may change.
+DOCKERFILE = REPO / "Dockerfile"
+#: Where the secrets a pod needs reach the runtime: the variable that names the file, for each variable
+#: that would carry the value itself (huggingface_hub reads HF_TOKEN_PATH; the others are the runtime's).
+SECRET_FILE_VARIABLES: dict[str, str] = {"CF_API_KEY": "CF_API_KEY_FILE", "CARBONFORGE_LICENSE_KEY": "CF_LICENSE_FILE",
+                                         "HF_TOKEN": "HF_TOKEN_PATH", "CF_GROUP_SECRET": "CF_GROUP_SECRET_FILE"}
+#: The paths the runtime and vLLM write to, each a volume when the root filesystem is read-only: the
+#: path itself, or the variable (of the container, else of the image, else the runtime's default) naming it.
+WRITABLE_PATHS: tuple[tuple[str, str], ...] = (
+    ("/tmp", "temporary files and sockets: the metrics feed, vLLM's IPC sockets, PyTorch's temporary files"),
+    ("$HOME", "the caches libraries keep under the home directory (~/.cache, ~/.config, ~/.triton)"),
+    ("$CF_LOG_DIR", "vllm.log, runtime.log, serve.json and trace files"),
+    ("$CF_COMPILE_CACHE_DIR", "the compile and kernel caches (vLLM, torch Inductor, Triton, FlashInfer, CUDA)"),
+    ("$HF_HOME", "the Hugging Face cache: the weights"),
+    ("/dev/shm", "shared memory between the engine's processes (PyTorch, NCCL)"),
+)
+#: The resources every container states, as requests and as limits.
+BOUNDED_RESOURCES = ("cpu", "memory")
+#: Labels the NetworkPolicies of deploy/ let in: a gateway (API only) and Prometheus (API and metrics).
+METRICS_PORT_NAME = "metrics"
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_FACTORS = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+            "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50, "Ei": 2.0**60}
+
+
+def quantity(value: Any) -> float | None:
+    """A Kubernetes quantity (``16Gi``, ``500m``, ``8``) as a number; None when it is not one."""
+    match = _QUANTITY.match(str(value).strip())
+    return None if match is None else float(match.group(1)) * _FACTORS[match.group(2)]
+
+
+@cache
+def image_env(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
+    """The variables the image's ENV instructions set (``KEY=VALUE`` pairs, continuation lines joined)."""
+    import shlex
+
+    text = dockerfile.read_text(encoding="utf-8").replace("\\\n", " ")
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        words = line.strip().split(None, 1)
+        if len(words) == 2 and words[0].upper() == "ENV":
+            for pair in shlex.split(words[1]):
+                key, sep, value = pair.partition("=")
+                if sep:
+                    found[key] = value
+    return found
+
+
+def _env_value(env: Any, name: str) -> str | None:
+    """The literal value ``env`` (a pod's list of variables, or a compose mapping or list) gives ``name``."""
+    if isinstance(env, dict):
+        value = env.get(name)
+        return None if value is None else str(value)
+    for var in env or []:
+        if isinstance(var, dict) and var.get("name") == name:
+            return str(var["value"]) if "value" in var else None
+        if isinstance(var, str) and var.partition("=")[0] == name:
+            return var.partition("=")[2]
+    return None
+
+
+def writable_paths(env: Any) -> list[tuple[str, str]]:
+    """(path, what it holds) for every path of WRITABLE_PATHS, as the container with ``env`` sees it."""
+    defaults = {"HOME": "/home/carbonforge", "CF_LOG_DIR": str(RUNTIME_DEFAULTS.log_dir),
+                "CF_COMPILE_CACHE_DIR": RUNTIME_DEFAULTS.compile_cache_dir, **image_env()}
+    out = []
+    for path, what in WRITABLE_PATHS:
+        if path.startswith("$"):
+            name = path[1:]
+            path = _env_value(env, name) or defaults.get(name, "")
+            what = f"{what} ({name})"
+        if path.startswith("~"):
+            path = (_env_value(env, "HOME") or defaults["HOME"]) + path[1:]
+        if path:
+            out.append((path.rstrip("/") or "/", what))
+    return out
+
+
+def _under(path: str, mount: str) -> bool:
+    mount = mount.rstrip("/") or "/"
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def _is_runtime(container: dict[str, Any]) -> bool:
+    """Does the container run the runtime's image (whatever registry an overlay moves it to)?"""
+    name = str(container.get("image", "")).split("@")[0].rsplit("/", 1)[-1].split(":")[0]
+    return name == "carbonforge-runtime"
+
+
+def _secret_sources(volume: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Secrets a volume shows: a secret volume's, or the secret sources of a projected one."""
+    if isinstance(volume.get("secret"), dict):
+        return [volume["secret"]]
+    return [source["secret"] for source in (volume.get("projected") or {}).get("sources") or []
+            if isinstance(source, dict) and isinstance(source.get("secret"), dict)]
+
+
+def _hardened_container(pod: Pod, where: list[Any], container: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    context = container.get("securityContext") or {}
+    if context.get("readOnlyRootFilesystem") is not True:
+        yield [*where, "securityContext", "readOnlyRootFilesystem"], (
+            "must be true: the image is not to be changed while it runs; mount a volume where it writes")
+    if context.get("privileged") is True:
+        yield [*where, "securityContext", "privileged"], "must not be true: the runtime needs no device or host access"
+    capabilities = context.get("capabilities") or {}
+    if "ALL" not in (capabilities.get("drop") or []):
+        yield [*where, "securityContext", "capabilities", "drop"], (
+            "must drop ALL: neither the runtime nor vLLM needs a Linux capability")
+    if capabilities.get("add"):
+        yield [*where, "securityContext", "capabilities", "add"], (
+            f"adds {', '.join(map(str, capabilities['add']))}: the pod runs as a non-root user, which no capability "
+            "makes able to change GPU clocks (the energy controller observes only; see docs/kubernetes.md)")
+    resources_ = container.get("resources") or {}
+    for part in ("requests", "limits"):
+        for name in BOUNDED_RESOURCES:
+            if quantity((resources_.get(part) or {}).get(name)) is None:
+                yield [*where, "resources", part, name], (
+                    f"missing: every container states its {name} {part}, so that a flood of requests "
+                    "cannot take the node's memory or CPU from its neighbours")
+    for name in BOUNDED_RESOURCES:
+        asked = quantity((resources_.get("requests") or {}).get(name))
+        most = quantity((resources_.get("limits") or {}).get(name))
+        if asked is not None and most is not None and asked > most:
+            yield [*where, "resources", "requests", name], f"above the limit ({resources_['limits'][name]})"
+    volumes = {str(v.get("name")): v for v in pod.spec.get("volumes") or [] if isinstance(v, dict)}
+    mounts = [m for m in container.get("volumeMounts") or [] if isinstance(m, dict)]
+    memory_limit = quantity((resources_.get("limits") or {}).get("memory"))
+    for index, mount in enumerate(mounts):
+        empty = volumes.get(str(mount.get("name")), {}).get("emptyDir")
+        if not isinstance(empty, dict) or empty.get("medium") != "Memory":
+            continue
+        size = quantity(empty.get("sizeLimit"))
+        if size is None:
+            yield [*where, "volumeMounts", index], (f"the in-memory emptyDir {mount.get('name')!r} has no sizeLimit: "
+                                                    "what is written there is memory the limit does not bound")
+        elif memory_limit is not None and size >= memory_limit:
+            yield [*where, "volumeMounts", index], (
+                f"the in-memory emptyDir {mount.get('name')!r} ({empty['sizeLimit']}) counts against the memory "
+                f"limit ({resources_['limits']['memory']}), which must be larger")
+    env = container.get("env") or []
+    for index, var in enumerate(env):
+        if isinstance(var, dict) and (var.get("valueFrom") or {}).get("secretKeyRef"):
+            name = str(var.get("name"))
+            instead = SECRET_FILE_VARIABLES.get(name, f"{name}_FILE")
+            yield [*where, "env", index, "valueFrom", "secretKeyRef"], (
+                f"{name} takes a Secret into the environment, which every process of the pod and "
+                f"`kubectl describe` show: mount the Secret as a file (readOnly) and set {instead}")
+    for index, source in enumerate(container.get("envFrom") or []):
+        if isinstance(source, dict) and source.get("secretRef"):
+            yield [*where, "envFrom", index, "secretRef"], ("takes a Secret into the environment: mount it as a file "
+                                                            "and name the file with a *_FILE variable")
+    secret_mounts = [m for m in mounts if _secret_sources(volumes.get(str(m.get("name")), {}))]
+    for name in SECRET_FILE_VARIABLES.values():
+        path = _env_value(env, name)
+        if path is not None and not any(_under(path, str(m.get("mountPath", ""))) for m in secret_mounts):
+            index = next(i for i, var in enumerate(env) if isinstance(var, dict) and var.get("name") == name)
+            yield [*where, "env", index, "value"], f"{name}={path} is in no Secret volume mounted into this container"
+    if not _is_runtime(container):
+        return
+    if _env_value(env, "CF_API_KEY_FILE") is None:
+        yield [*where, "env"], ("CF_API_KEY_FILE is not set: the API would answer anyone who reaches it; mount the "
+                                "API key Secret as a file and name it with CF_API_KEY_FILE")
+    for path, what in writable_paths(env):
+        covering = [m for m in mounts if _under(path, str(m.get("mountPath", "")))]
+        if not covering:
+            yield [*where, "volumeMounts"], (f"nothing is mounted at {path}, {what}: with the root filesystem "
+                                             "read-only it cannot be written; mount a volume (an emptyDir) there")
+        elif max(covering, key=lambda m: len(str(m.get("mountPath", "")))).get("readOnly") is True:
+            yield [*where, "volumeMounts"], f"{path}, {what}, is mounted readOnly: the runtime writes there"
+
+
+def _hardened_pod(pod: Pod) -> Iterator[tuple[list[Any], str]]:
+    if pod.spec.get("automountServiceAccountToken") is not False:
+        yield [*pod.path, "automountServiceAccountToken"], (
+            "must be false: the runtime never calls the Kubernetes API, so the pod needs no token for it")
+    if (pod.spec.get("securityContext") or {}).get("runAsUser") == 0:
+        yield [*pod.path, "securityContext", "runAsUser"], "is 0 (root); the image runs as uid 10001"
+    for where, container in _containers(pod.spec):
+        yield from _hardened_container(pod, [*pod.path, *where], container)
+
+
+def _peer_is_labelled_pod(peer: dict[str, Any]) -> bool:
+    """A NetworkPolicy peer that names pods by label (in this namespace, or in the namespaces it selects)."""
+    return "ipBlock" not in peer and bool(((peer.get("podSelector") or {}).get("matchLabels") or {})
+                                          or (peer.get("podSelector") or {}).get("matchExpressions"))
+
+
+def _opens(rule: dict[str, Any], names: set[str], numbers: set[Any]) -> bool:
+    """Does the rule open a port among ``names`` / ``numbers`` (a rule without ports opens them all)?"""
+    ports = rule.get("ports") or []
+    return not ports or any(entry.get("port") in names or entry.get("port") in numbers or "port" not in entry
+                            for entry in ports)
+
+
+def _policy_hardening(doc: dict[str, Any], pods: list[Pod]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    chosen = _chosen(doc, pods, "podSelector")
+    if not chosen:
+        return
+    metrics_numbers = {_port(c, "CF_METRICS_PORT") for pod in chosen for _, c in _containers(pod.spec)}
+    metrics_numbers |= {n for pod in chosen for name, n in _named_ports(pod).items() if name == METRICS_PORT_NAME}
+    for index, rule in enumerate(spec.get("ingress") or []):
+        peers = [peer for peer in rule.get("from") or [] if isinstance(peer, dict)]
+        if not peers:
+            yield ["spec", "ingress", index], ("has no 'from': it lets every source in; name the peers (the pods of "
+                                               "this namespace, a labelled gateway, a labelled Prometheus)")
+        elif _opens(rule, {METRICS_PORT_NAME}, metrics_numbers) and not all(map(_peer_is_labelled_pod, peers)):
+            yield ["spec", "ingress", index, "from"], (
+                "lets unlabelled peers reach the metrics port, which has no authentication: allow it from "
+                "labelled pods only (Prometheus)")
+    for index, rule in enumerate(spec.get("egress") or []):
+        peers = [peer for peer in rule.get("to") or [] if isinstance(peer, dict)]
+        if not rule.get("ports") and not (peers and all(_peer_is_labelled_pod(p) and "namespaceSelector" not in p
+                                                        for p in peers)):
+            yield ["spec", "egress", index], ("allows every port to every destination: list the ports (DNS, the "
+                                              "Hugging Face hub, an OTLP collector), or name the pods it reaches")
+
+
+def _unfenced_pods(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
+    """Every pod is selected by a NetworkPolicy for ingress and for egress."""
+    policies = [doc for doc in docs if doc.get("kind") == "NetworkPolicy"]
+    for pod in pods:
+        # A group's pods without an ingress policy are reported by _unguarded_groups, with the watch port.
+        for direction in ("Egress",) if pod.role in ("leader", "worker") else ("Ingress", "Egress"):
+            if not any(_chosen(policy, [pod], "podSelector")
+                       and direction in ((policy.get("spec") or {}).get("policyTypes") or ["Ingress"])
+                       for policy in policies):
+                yield pod.owner, pod.path[:-1], (
+                    f"no NetworkPolicy selects {'these' if pod.role == 'pod' else 'the ' + pod.role} pods for "
+                    f"{direction}: "
+                    + ("the metrics port and the API are open to every pod of the cluster"
+                       if direction == "Ingress" else
+                       "the pod may connect anywhere; allow DNS and the ports it needs only"))
+
+
+def hardening_problems(docs: list[dict[str, Any]], pods: list[Pod]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
+    """The hardened defaults (docs/kubernetes.md, "Hardening"), over all documents of one rendering."""
+    for pod in pods:
+        for path, message in _hardened_pod(pod):
+            yield pod.owner, path, message
+    yield from _unfenced_pods(docs, pods)
+    for doc in docs:
+        if doc.get("kind") == "NetworkPolicy":
+            for path, message in _policy_hardening(doc, pods):
+                yield doc, path, message
+
+
 def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], list[Any], str]]:
     """The rules no schema expresses, over all documents of one rendering: (document, path, message)."""
     pods = [pod for doc in docs for pod in pods_of(doc)]
@@ -777,6 +1027,7 @@ def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any
             yield pod.owner, path, message
     yield from _worker_metrics_problems(docs, pods)
     yield from _unguarded_groups(docs, pods)
+    yield from hardening_problems(docs, pods)
     # The rules of one document, by its kind.
     rules: dict[str, Callable[[dict[str, Any]], Iterator[tuple[list[Any], str]]]] = {
         "Secret": _secret_problems,

@@ -101,9 +101,10 @@ def test_the_check_script_passes_on_the_repository(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize(("layout", "kinds"), [
-    ("single-host", {"Deployment", "Service", "ServiceMonitor", "PersistentVolumeClaim"}),
+    ("single-host", {"Deployment", "Service", "ServiceMonitor", "PersistentVolumeClaim", "NetworkPolicy"}),
     ("multi-host", {"LeaderWorkerSet", "Service", "ServiceMonitor", "PodMonitor", "NetworkPolicy"}),
-    ("inference-pool", {"Deployment", "Service", "ServiceMonitor", "PersistentVolumeClaim", "InferencePool"}),
+    ("inference-pool", {"Deployment", "Service", "ServiceMonitor", "PersistentVolumeClaim", "InferencePool",
+                        "NetworkPolicy"}),
 ])
 def test_each_layout_renders_its_objects(rendered: dict[str, list[dict[str, Any]]], layout: str,
                                          kinds: set[str]) -> None:
@@ -220,8 +221,8 @@ def test_args_that_name_an_undefined_variable_fail(schemas: Any, rendered: dict[
 def test_a_literal_api_key_fails(schemas: Any, rendered: dict[str, list[dict[str, Any]]]) -> None:
     docs = copy.deepcopy(rendered["single-host"])
     env = _one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    index = next(i for i, var in enumerate(env) if var["name"] == "CF_API_KEY")
-    env[index] = {"name": "CF_API_KEY", "value": "sk-live-123"}
+    env.append({"name": "CF_API_KEY", "value": "sk-live-123"})
+    index = len(env) - 1
     problems = _problems(schemas, "single-host", docs)
     assert any(f"env[{index}].value: CF_API_KEY as a literal value" in p for p in problems), problems
 
@@ -371,13 +372,23 @@ def test_the_single_host_deployment_mounts_the_licence_secret_read_only(
     assert all(var["name"] != "CF_LICENSE_FILE" for var in container["env"])
 
 
-def test_secrets_come_from_secret_refs_only(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_secrets_are_files_of_secret_volumes(rendered: dict[str, list[dict[str, Any]]]) -> None:
     for layout in LAYOUTS:
         for pod in _pods(rendered[layout]):
+            volumes = {v["name"]: v for v in pod["volumes"]}
             for container in pod["containers"]:
                 env = {var["name"]: var for var in container["env"]}
-                assert env["CF_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-                    "name": "carbonforge-api-key", "key": "api-key", "optional": True}
+                assert not any("valueFrom" in var and "secretKeyRef" in var["valueFrom"] for var in env.values())
+                assert not set(cm.SECRET_VARIABLES) & set(env)
+                files = {}
+                for mount in container["volumeMounts"]:
+                    for source in cm._secret_sources(volumes.get(mount["name"], {})):
+                        assert mount["readOnly"] is True
+                        for item in source["items"]:
+                            name = source.get("name", source.get("secretName"))
+                            files[f"{mount['mountPath']}/{item['path']}"] = (name, source.get("optional"))
+                assert files[env["CF_API_KEY_FILE"]["value"]] == ("carbonforge-api-key", None)  # required
+                assert files[env["HF_TOKEN_PATH"]["value"]] == ("carbonforge-hf-token", True)
                 assert not any("api-key" in arg or "CF_API_KEY" in arg for arg in container["args"])
                 assert container["args"] == ["--context-key", "$(CF_CONTEXT_KEY)", "--metrics"]
 
@@ -448,11 +459,14 @@ def test_the_group_ports_are_open_to_the_pods_of_the_set_only(rendered: dict[str
     policy = _one(docs, "NetworkPolicy")
     pods = cm.pods_of(_one(docs, "LeaderWorkerSet"))
     assert all(cm._selects(policy["spec"]["podSelector"]["matchLabels"], pod.labels) for pod in pods)
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
-    inside, anyone = policy["spec"]["ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    inside, clients, prometheus = policy["spec"]["ingress"]
     assert "ports" not in inside and all(cm._selects(inside["from"][0]["podSelector"]["matchLabels"], pod.labels)
                                          for pod in pods)
-    assert "from" not in anyone and {p["port"] for p in anyone["ports"]} == {"http", "metrics"}
+    assert clients["from"] and {p["port"] for p in clients["ports"]} == {"http"}
+    assert prometheus["from"] == [{"namespaceSelector": {},
+                                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert {p["port"] for p in prometheus["ports"]} == {"http", "metrics"}
 
 
 def test_without_a_pod_monitor_the_workers_metrics_are_lost(schemas: Any,
@@ -510,9 +524,10 @@ def test_without_a_network_policy_the_watch_port_is_open(schemas: Any,
                                                          rendered: dict[str, list[dict[str, Any]]]) -> None:
     docs = [doc for doc in copy.deepcopy(rendered["multi-host"]) if doc["kind"] != "NetworkPolicy"]
     problems = _problems(schemas, "multi-host", docs)
-    assert len(problems) == 2, problems  # the leaders and the workers
+    ingress = [p for p in problems if "for Egress" not in p]
+    assert len(ingress) == 2, problems  # the leaders and the workers
     assert all("no NetworkPolicy selects the group's" in p and "watch port (CF_GROUP_PORT) has no authentication"
-               in p for p in problems), problems
+               in p for p in ingress), problems
 
 
 @pytest.mark.parametrize(("ports", "message"), [
@@ -527,6 +542,7 @@ def test_a_network_policy_that_opens_the_group_ports_to_anyone_fails(
         schemas: Any, rendered: dict[str, list[dict[str, Any]]], ports: Any, message: str) -> None:
     docs = copy.deepcopy(rendered["multi-host"])
     anyone = _one(docs, "NetworkPolicy")["spec"]["ingress"][1]
+    del anyone["from"]
     if ports is None:
         del anyone["ports"]
     else:
