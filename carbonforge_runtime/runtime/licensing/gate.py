@@ -1,8 +1,22 @@
 """The premium gate, called by every serving mode before anything starts.
 
-Recipe mode: a premium recipe needs a valid licence entitling its context key (or its model).
-Override mode: the model vLLM would serve (see :mod:`carbonforge_runtime.runtime.vllm_cli.served_model`) is
-premium when it belongs to any premium recipe; it then needs a licence entitling one of them.
+Premium status comes from the shipped recipes (those inside the package) only: a model that any shipped
+premium recipe serves is premium in every mode and under every recipe, and a local recipe
+(``CF_RECIPES_DIR``) can tune its knobs but never make it free. A model matches a shipped premium model by
+name (any spelling, hub id or local path, see :func:`model_matches`) or, for a model on local disk, by the
+shape its config.json declares (:mod:`carbonforge_runtime.runtime.licensing.premium`).
+
+What a licence covers: ``*`` covers everything; ``model=ORG/NAME`` covers that model; a context-key pattern
+covers the models of the *shipped* premium recipes whose keys it matches. So:
+
+* recipe mode, a shipped premium recipe: the licence must match its key (or name its model, or be ``*``);
+* recipe mode, a local recipe serving a premium model (under any key, with any plan): the licence must
+  cover that model through one of the shipped premium recipes that serve it;
+* override mode and ``fetch --model``: the same, for the model vLLM would serve
+  (see :mod:`carbonforge_runtime.runtime.vllm_cli.served_model`);
+* a local recipe that declares ``plan: premium`` for a model no shipped recipe makes premium is the
+  operator's own gate: the licence must match that recipe's key or model.
+
 Either way a refusal is a :class:`LicenseInvalid` (exit code 4) raised before vLLM is started.
 
 A speculative-decoding draft model is served too, so it is gated like the main model in both modes:
@@ -12,6 +26,7 @@ vLLM 0.32 takes it from ``--speculative-config``/``-sc`` (JSON with a ``model`` 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +34,7 @@ from typing import Any
 
 from carbonforge_runtime import log as cflog
 from carbonforge_runtime.errors import LicenseError, UsageError
+from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
 from carbonforge_runtime.recipes.model import Recipe
 from carbonforge_runtime.runtime.licensing import keys as key_table
 from carbonforge_runtime.runtime.licensing.core import (
@@ -88,28 +104,78 @@ def _log_granted(claims: LicenseClaims, what: str, now: float) -> None:
     )
 
 
-def gate_recipe(recipe: Recipe, settings: Settings, now: float,
-                keys: Callable[[], Mapping[str, bytes]] | None = None) -> LicenseClaims | None:
-    """None for a free recipe; the licence claims for an entitled premium recipe; LicenseInvalid otherwise."""
-    if not recipe.is_premium:
-        return None
-    subject = f"{recipe.key_text} is a {PLAN_PREMIUM}-plan recipe"
-    claims, _ = licensed_claims(subject, settings, now, keys)
-    if not entitles(claims, recipe.key_text, recipe.model.repo):
-        raise LicenseInvalid(
-            "not-entitled",
-            f"{subject}: licence {claims.licence_id} ({claims.licensee}) is not entitled to {recipe.key_text} "
-            f"(it covers: {_covered(claims)})",
-            f"serve a recipe the licence covers, or ask CarbonForge for a licence that includes {recipe.key_text}",
-        )
-    _log_granted(claims, recipe.key_text, now)
-    return claims
+@functools.lru_cache(maxsize=1)
+def shipped_recipes() -> tuple[Recipe, ...]:
+    """The recipes inside the package (never ``CF_RECIPES_DIR``): the only source of premium status."""
+    return tuple(recipe for _, recipe in sorted(load_recipes([shipped_recipes_dir()]).items()))
 
 
-def premium_owners(model: str, recipes: Mapping[str, Recipe]) -> list[Recipe]:
-    """The premium recipes ``model`` (any spelling, hub id or local path) belongs to."""
+def _is_shipped(recipe: Recipe, shipped: Sequence[Recipe]) -> bool:
+    return any(recipe == candidate and recipe.source == candidate.source for candidate in shipped)
+
+
+def premium_owners(model: str, recipes: Mapping[str, Recipe], shipped: Sequence[Recipe] | None = None) -> list[Recipe]:
+    """The premium recipes whose entitlement covers serving ``model`` (any spelling, hub id or local path).
+
+    The shipped premium recipes serving it, when there are any (``recipes`` cannot change that); else
+    the recipes of ``recipes`` that declare ``plan: premium`` for it (a local recipe may ask for a
+    licence for its own model, never waive one)."""
+    from carbonforge_runtime.runtime.licensing.premium import shape_matches
+
+    table = shipped_recipes() if shipped is None else shipped
+    owners = [recipe for recipe in table if recipe.is_premium and model_matches(model, recipe.model.repo)]
+    if not owners:
+        owners = [recipe for recipe in table if recipe.is_premium and shape_matches(model, recipe.model.repo)]
+    if owners:
+        return owners
     return [recipe for _, recipe in sorted(recipes.items())
             if recipe.is_premium and model_matches(model, recipe.model.repo)]
+
+
+def recipe_owners(recipe: Recipe, shipped: Sequence[Recipe] | None = None) -> list[Recipe]:
+    """The recipes a licence must entitle for ``recipe`` to be served; empty when it is free.
+
+    A shipped premium recipe: itself. Any other recipe: the shipped premium recipes that serve its
+    model, else itself when it declares ``plan: premium``."""
+    table = shipped_recipes() if shipped is None else shipped
+    if recipe.is_premium and _is_shipped(recipe, table):
+        return [recipe]
+    return premium_owners(recipe.model.repo, {recipe.key_text: recipe}, table)
+
+
+def entitled_owners(claims: LicenseClaims, owners: Sequence[Recipe]) -> list[Recipe]:
+    """The owners the licence entitles (by ``*``, the owner's model, or a pattern matching its key)."""
+    return [owner for owner in owners if entitles(claims, owner.key_text, owner.model.repo)]
+
+
+def gate_recipe(recipe: Recipe, settings: Settings, now: float,
+                keys: Callable[[], Mapping[str, bytes]] | None = None,
+                shipped: Sequence[Recipe] | None = None) -> LicenseClaims | None:
+    """None for a free recipe; the licence claims for an entitled premium recipe; LicenseInvalid otherwise."""
+    owners = recipe_owners(recipe, shipped)
+    if not owners:
+        return None
+    if owners == [recipe]:
+        subject = f"{recipe.key_text} is a {PLAN_PREMIUM}-plan recipe"
+        wanted = recipe.key_text
+    else:
+        listed = ", ".join(owner.key_text for owner in owners)
+        waived = " (a local recipe cannot make it free)" if not recipe.is_premium else ""
+        subject = (f"{recipe.key_text} ({recipe.source}) serves {recipe.model.repo!r}, the model of "
+                   f"{PLAN_PREMIUM}-plan recipe(s) {listed}{waived}")
+        wanted = f"{owners[0].key_text} (or model={owners[0].model.repo})"
+    claims, _ = licensed_claims(subject, settings, now, keys)
+    entitled = entitled_owners(claims, owners)
+    if not entitled:
+        raise LicenseInvalid(
+            "not-entitled",
+            f"{subject}: licence {claims.licence_id} ({claims.licensee}) is not entitled to {wanted} "
+            f"(it covers: {_covered(claims)})",
+            f"serve a recipe the licence covers, or ask CarbonForge for a licence that includes {wanted}",
+        )
+    through = "" if entitled == [recipe] else f" (through {entitled[0].key_text})"
+    _log_granted(claims, f"{recipe.key_text}{through}", now)
+    return claims
 
 
 def gate_override(model: str, args: Sequence[str], recipes: Mapping[str, Recipe], settings: Settings,
@@ -134,7 +200,7 @@ def _gate_model(served: str, role: str, recipes: Mapping[str, Recipe], settings:
     listed = ", ".join(recipe.key_text for recipe in owners)
     subject = f"{role} {served!r} belongs to {PLAN_PREMIUM}-plan recipe(s) {listed}"
     claims, _ = licensed_claims(subject, settings, now, keys)
-    entitled = [recipe for recipe in owners if entitles(claims, recipe.key_text, recipe.model.repo)]
+    entitled = entitled_owners(claims, owners)
     if not entitled:
         raise LicenseInvalid(
             "not-entitled",
