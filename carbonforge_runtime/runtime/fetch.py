@@ -35,11 +35,12 @@ from carbonforge_runtime.runtime.weights.hub_cache import (
     snapshot_state,
 )
 from carbonforge_runtime.runtime.weights.lock import (
-    LockCheck,
     LockUnreadable,
     WeightsLock,
     blob_of,
     check_snapshot,
+    fetch_command,
+    mismatch_error,
     needs_hub,
     read_lock,
     relock_times,
@@ -206,17 +207,6 @@ def _endpoint(environ: Mapping[str, str]) -> str:
     return (environ.get("HF_ENDPOINT") or "").strip().rstrip("/") or "https://huggingface.co"
 
 
-def lock_problem(check: LockCheck, label: str) -> CarbonForgeError:
-    """The refusal for weights that no longer match their lock (or whose lock cannot be read)."""
-    first = check.problems[0] if check.problems else "the lock does not match"
-    more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
-    return CarbonForgeError(
-        f"the weights of {check.repo} at {check.commit[:12]} do not match the lock fetch wrote: {first}{more}",
-        f"run `carbonforge-runtime fetch {label}` again where the hub is reachable (it compares every file with "
-        "the hub and names the one to delete), or carry a freshly fetched cache over",
-    )
-
-
 def _check_offline(target: FetchTarget, cache_dir: Path, environ: Mapping[str, str]) -> str:
     """With HF_HUB_OFFLINE on nothing can be downloaded: say whether the cache already has it all, and
     compare every file's sha256 with the lock fetch wrote (recording the files' times again when only
@@ -231,7 +221,7 @@ def _check_offline(target: FetchTarget, cache_dir: Path, environ: Mapping[str, s
         if check is None or check.status == "no-lock":
             return head + "; it has no lock (not fetched by this runtime): its files are not verified"
         if not check.ok:
-            raise lock_problem(check, target.label)
+            raise mismatch_error(check, fetch_command(target.recipe.key_text if target.recipe else target.label))
         try:
             relocked = relock_times(cache_dir, check)
         except OSError as exc:

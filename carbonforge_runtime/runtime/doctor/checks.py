@@ -56,7 +56,8 @@ from carbonforge_runtime.runtime.engine_env.privacy import (
     uses_modelscope,
 )
 from carbonforge_runtime.runtime.group.placement import hardware_remedy
-from carbonforge_runtime.runtime.weights.hub_cache import missing_summary
+from carbonforge_runtime.runtime.weights.hub_cache import format_bytes, missing_summary
+from carbonforge_runtime.runtime.weights.lock import NO_LOCK, LockCheck
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -480,6 +481,8 @@ def storage_checks(facts: DoctorFacts) -> list[Check]:
                                      remedy + "; weights cannot be downloaded into it"))
     if weights is not None:
         checks.append(_weights(weights, _fetch_command(facts, weights)))
+        if weights.lock is not None:
+            checks.append(_weights_lock(weights.lock, _fetch_command(facts, weights)))
     if facts.log_dir is not None:
         checks.append(_directory(STORAGE, "storage.log_dir", "log directory", facts.log_dir, FAIL,
                                  "mount a writable volume at /var/log/carbonforge "
@@ -590,6 +593,34 @@ def _weights(w: WeightsFacts, fetch: str) -> Check:
                  f"HF_HUB_OFFLINE=1 and the weights for {w.model} are not in {w.cache_dir} "
                  f"(looked for models--{w.model.replace('/', '--')}/snapshots/<revision>/config.json)",
                  remedy)
+
+
+def _weights_lock(lock: LockCheck, fetch: str) -> Check:
+    """The cached snapshot against the lock fetch wrote (sizes and times; every sha256 with --deep)."""
+    at = f"{lock.repo} at {lock.commit[:12]}"
+    if lock.status == NO_LOCK:
+        return Check(STORAGE, "storage.weights_lock", WARN,
+                     f"the weights of {at} have no lock (not put there by `carbonforge-runtime fetch`): serving "
+                     "warns and serves them unverified",
+                     f"run `{fetch}` where the hub is reachable: it compares every file with the hub's listing and "
+                     "records the lock")
+    if not lock.ok:
+        more = f" (and {len(lock.problems) - 1} more)" if len(lock.problems) > 1 else ""
+        first = lock.problems[0] if lock.problems else "the lock does not match"
+        return Check(STORAGE, "storage.weights_lock", FAIL, f"the weights of {at} do not match their lock: "
+                     f"{first}{more}; serving refuses to start",
+                     f"run `{fetch}` again where the hub is reachable (it names the file to delete), or carry a "
+                     "freshly fetched cache over")
+    if lock.deep:
+        touched = (f"; {len(lock.touched)} file(s) have new modification times, which serving refuses: run `{fetch}` "
+                   "with HF_HUB_OFFLINE=1 to record them") if lock.touched else ""
+        status = WARN if lock.touched else OK
+        return Check(STORAGE, "storage.weights_lock", status,
+                     f"the sha256 of all {lock.files} files of {at} ({format_bytes(lock.total_bytes)}) match their "
+                     f"lock{touched}", f"run `{fetch}` with HF_HUB_OFFLINE=1" if lock.touched else "")
+    return Check(STORAGE, "storage.weights_lock", OK,
+                 f"the {lock.files} files of {at} have the sizes and times of their lock "
+                 "(`doctor --deep` compares every sha256)")
 
 
 # --- engine -------------------------------------------------------------------------------------
@@ -805,6 +836,12 @@ CHECKS: tuple[CheckInfo, ...] = (
               "reads (a weight shard, the config, a tokenizer file); the fix names `carbonforge-runtime fetch` and "
               "`HUGGINGFACE_HUB_CACHE`, and the right directory when the weights sit one level below (FAIL); a "
               "snapshot the engine completes by downloading at start (WARN)"),
+    CheckInfo("storage.weights_lock", STORAGE, "the cached weights against the lock `carbonforge-runtime fetch` "
+              "wrote beside them (`models--ORG--NAME/carbonforge-locks/<commit>.json`): every file's size and "
+              "modification time, and with `doctor --deep` its sha256",
+              "a file is missing, has another size, time or (with `--deep`) sha256, or the lock cannot be read: "
+              "serving refuses to start (FAIL); the weights have no lock and are served unverified, or with "
+              "`--deep` only modification times changed (WARN)"),
     CheckInfo("storage.log_dir", STORAGE, "the log directory (`CF_LOG_DIR`)", "it cannot be written (FAIL)"),
     CheckInfo("storage.compile_cache", STORAGE, "the engine's compile cache directory (`CF_COMPILE_CACHE_DIR`, "
               f"`{IMAGE_DIR}` in the image; `VLLM_CACHE_ROOT` when you set it)", "it cannot be written (FAIL)"),

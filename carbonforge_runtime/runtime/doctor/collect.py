@@ -118,7 +118,9 @@ def _is_true(value: object) -> bool:
 
 
 def weights_facts(model: str, revision: str | None, builtin: bool, env: Mapping[str, str], offline: bool,
-                  probes: Probes) -> WeightsFacts:
+                  probes: Probes, lock_check: bool = False, deep: bool = False) -> WeightsFacts:
+    """Where the weights are; with ``lock_check`` also the snapshot against the lock fetch wrote
+    (sizes and times, or every sha256 with ``deep``)."""
     if builtin:
         return WeightsFacts(model, "builtin", offline)
     cache_dir, source = hub_cache_dir(env)
@@ -127,6 +129,7 @@ def weights_facts(model: str, revision: str | None, builtin: bool, env: Mapping[
                             snapshot=model if Path(model).expanduser().is_dir() else None)
     snapshot, has_files = probes.find_weights(cache_dir, model, revision)
     missing = probes.weights_missing(cache_dir, model, revision) if snapshot is not None else ()
+    lock = probes.weights_lock(cache_dir, model, revision, deep) if snapshot is not None and lock_check else None
     elsewhere = None
     if snapshot is None:
         for other in [str(Path(cache_dir) / "hub"), *_default_cache_dirs(env)]:
@@ -134,7 +137,7 @@ def weights_facts(model: str, revision: str | None, builtin: bool, env: Mapping[
                 elsewhere = other
                 break
     return WeightsFacts(model, "hub", offline, cache_dir, source, snapshot, has_files, elsewhere, revision,
-                        tuple(missing))
+                        tuple(missing), lock)
 
 
 # --- collection ---------------------------------------------------------------------------------
@@ -197,7 +200,9 @@ def collect_facts(
         revision = recipe.model.revision if recipe else None
         builtin = bool(recipe and recipe.model.builtin)
         model = plan.model
-        weights = _guarded(lambda: weights_facts(model, revision, builtin, env, offline, probes), lambda exc: None)
+        # The serve start checks the lock itself (not skipped with the pre-flight): the doctor only.
+        weights = _guarded(lambda: weights_facts(model, revision, builtin, env, offline, probes,
+                                                 lock_check=not preflight, deep=request.deep), lambda exc: None)
     cache_dir, cache_source = hub_cache_dir(env)
 
     host = plan.host if plan else settings.host

@@ -15,6 +15,7 @@ from carbonforge_runtime import PINNED_VLLM_VERSION
 from carbonforge_runtime.gpu.types import GpuSnapshot
 from carbonforge_runtime.recipes import Recipe
 from carbonforge_runtime.runtime.engine_env.compile_cache import Mount
+from carbonforge_runtime.runtime.weights.lock import LockCheck
 from carbonforge_runtime.settings import Settings
 
 DOCTOR, PREFLIGHT = "doctor", "preflight"
@@ -30,6 +31,8 @@ class DoctorRequest:
     metrics: bool = False
     trace_file: str | None = None
     trace_endpoint: str | None = None
+    #: ``doctor --deep``: hash every weight file against the lock fetch wrote (else sizes and times).
+    deep: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,8 @@ class WeightsFacts:
     revision: str | None = None
     #: Files the engine reads that the snapshot lacks (see runtime/weights/hub_cache.py).
     missing: tuple[str, ...] = ()
+    #: The snapshot against the lock fetch wrote (runtime/weights/lock.py); None: not looked at.
+    lock: LockCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,8 @@ class Probes(Protocol):
     def find_weights(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str | None, bool]: ...
 
     def weights_missing(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str, ...]: ...
+
+    def weights_lock(self, cache_dir: str, repo: str, revision: str | None, deep: bool) -> LockCheck | None: ...
 
     def engine(self) -> EngineFacts: ...
 

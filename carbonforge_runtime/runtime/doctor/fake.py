@@ -22,6 +22,7 @@ from carbonforge_runtime.runtime.doctor.facts import (
     RuntimeFacts,
 )
 from carbonforge_runtime.runtime.engine_env.compile_cache import VOLUME_NAME, Mount
+from carbonforge_runtime.runtime.weights.lock import LockCheck
 from carbonforge_runtime.settings import Settings
 
 GIB = 1024**3
@@ -53,6 +54,8 @@ class FixedProbes:
     weights_in: dict[str, str] = field(default_factory=dict)
     #: Hub cache directory -> files the engine reads that its snapshot lacks.
     weights_missing_in: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Hub cache directory -> its snapshot against the lock fetch wrote.
+    weights_locks: dict[str, LockCheck] = field(default_factory=dict)
     engine_facts: EngineFacts = field(default_factory=lambda: EngineFacts("vllm", PINNED_VLLM_VERSION, True))
     #: Port -> why it cannot be bound.
     busy_ports: dict[int, str] = field(default_factory=dict)
@@ -92,6 +95,9 @@ class FixedProbes:
 
     def weights_missing(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str, ...]:
         return self.weights_missing_in.get(cache_dir, ())
+
+    def weights_lock(self, cache_dir: str, repo: str, revision: str | None, deep: bool) -> LockCheck | None:
+        return self.weights_locks.get(cache_dir)
 
     def engine(self) -> EngineFacts:
         return self.engine_facts

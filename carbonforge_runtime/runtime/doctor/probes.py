@@ -39,6 +39,7 @@ from carbonforge_runtime.runtime.weights.hub_cache import (
     snapshot_has_weights,
     snapshot_state,
 )
+from carbonforge_runtime.runtime.weights.lock import LockCheck, check_snapshot
 from carbonforge_runtime.settings import Settings
 
 #: The engine distributions that provide the ``vllm`` package (GPU build, CPU build).
@@ -157,6 +158,9 @@ class SystemProbes:
     def weights_missing(self, cache_dir: str, repo: str, revision: str | None) -> tuple[str, ...]:
         return snapshot_state(Path(cache_dir), repo, revision).missing
 
+    def weights_lock(self, cache_dir: str, repo: str, revision: str | None, deep: bool) -> LockCheck | None:
+        return check_snapshot(Path(cache_dir), repo, revision, deep=deep)
+
     def engine(self) -> EngineFacts:
         for name in VLLM_DISTRIBUTIONS:
             try:
@@ -247,4 +251,17 @@ def weights_on_host(model: str, revision: str | None, builtin: bool, env: Mappin
 
 
 
-__all__ = ["SystemProbes", "weights_on_host"]
+def weights_lock_on_host(model: str, revision: str | None, builtin: bool, env: Mapping[str, str],
+                         deep: bool = False) -> LockCheck | None:
+    """The hub snapshot ``model`` is served from against the lock fetch wrote (sizes and times; every
+    sha256 with ``deep``); None for a built-in model, a local directory, or weights not in the cache."""
+    if builtin:
+        return None
+    path = Path(model).expanduser()
+    if model.startswith(("/", "./", "../", "~")) or path.exists():
+        return None
+    cache_dir, _ = hub_cache_dir(env)
+    return check_snapshot(Path(cache_dir), model, revision, deep=deep)
+
+
+__all__ = ["SystemProbes", "weights_lock_on_host", "weights_on_host"]

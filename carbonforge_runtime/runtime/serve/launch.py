@@ -36,7 +36,7 @@ from carbonforge_runtime.runtime.doctor.preflight import (
     hardware_refusal,
     preflight,
 )
-from carbonforge_runtime.runtime.doctor.probes import weights_on_host
+from carbonforge_runtime.runtime.doctor.probes import weights_lock_on_host, weights_on_host
 from carbonforge_runtime.runtime.group.placement import Group
 from carbonforge_runtime.runtime.planning.command import LaunchPlan
 from carbonforge_runtime.runtime.planning.plan import (
@@ -52,6 +52,7 @@ from carbonforge_runtime.runtime.process.supervisor import GroupHooks
 from carbonforge_runtime.runtime.serve import address as serve_address
 from carbonforge_runtime.runtime.serve.api_key import read_api_key
 from carbonforge_runtime.runtime.weights.hub_cache import hub_cache_dir
+from carbonforge_runtime.runtime.weights.lock import NO_LOCK, LockCheck, fetch_command, mismatch_error
 from carbonforge_runtime.settings import Settings
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class Prepared:
 
     serve_plan: ServePlan
     verdicts: Verdicts
+    #: The cached weights against the lock fetch wrote (None: built-in, local or not in the cache).
+    weights_lock: LockCheck | None = None
 
     @property
     def plan(self) -> LaunchPlan:
@@ -131,8 +134,28 @@ def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str
         if not options.dry_run:
             raise refusal
         refusals.append(refusal)
+    lock = weights_lock_on_host(source.model, source.revision, source.builtin, environ) if present and source else None
     return Prepared(plan, Verdicts(licence=licence, hardware_problems=problems, snapshot=snapshot,
-                                   refusals=refusals))
+                                   refusals=refusals), lock)
+
+
+def check_weights_lock(prepared: Prepared, logger: logging.Logger) -> None:
+    """Serve start: the cached weights against their lock, a stat per file. A mismatch refuses the
+    launch naming the file; weights without a lock are served with one warning."""
+    check = prepared.weights_lock
+    if check is None:
+        return
+    plan = prepared.plan
+    what = plan.recipe.key_text if plan.recipe else check.repo + (f"@{check.revision}" if check.revision else "")
+    if check.status == NO_LOCK:
+        logger.warning("weights of %s at %s have no lock (they were not put there by `carbonforge-runtime fetch`): "
+                       "served without verification; run `%s` to verify them against the hub and record one",
+                       check.repo, check.commit[:12], fetch_command(what))
+        return
+    if not check.ok:
+        raise mismatch_error(check, fetch_command(what))
+    logger.info("weights of %s at commit %s match their lock (%d files, sizes and times; `doctor --deep` "
+                "compares every sha256)", check.repo, check.commit, check.files)
 
 
 def describe_prepared(prepared: Prepared, options: ServeOptions, environ: Mapping[str, str]) -> str:
@@ -274,6 +297,7 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     if stop.set:  # a stop signal while the launch was prepared: start nothing
         logger.info("stop signal received during preparation: vLLM is not started")
         return 0
+    check_weights_lock(prepared, logger)
     log_dir = _log_dir(settings)
     try:
         runtime_log.open(log_dir)

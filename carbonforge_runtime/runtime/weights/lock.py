@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from carbonforge_runtime.errors import CarbonForgeError
 from carbonforge_runtime.runtime.weights.hub_cache import HubEntry, ref_commit, repo_folder
 
 LOCK_DIR = "carbonforge-locks"
@@ -287,6 +288,23 @@ def relock_times(cache_dir: Path, check: LockCheck) -> Path | None:
     files = tuple(LockedFile(f.path, f.size, f.sha256, (snapshot / f.path).stat().st_mtime_ns) for f in lock.files)
     return write_lock(cache_dir, WeightsLock(lock.repo, lock.revision, lock.commit, files, lock.endpoint,
                                              time.time()))
+
+
+def fetch_command(what: str) -> str:
+    """The fetch command line for a context key or a ``REPO[@REVISION]``."""
+    return f"carbonforge-runtime fetch {what}" if ":" in what else f"carbonforge-runtime fetch --model {what}"
+
+
+def mismatch_error(check: LockCheck, fetch: str) -> CarbonForgeError:
+    """The refusal for weights that no longer match their lock (or whose lock cannot be read): one line
+    naming the first file, and the fetch that checks them against the hub again."""
+    first = check.problems[0] if check.problems else "the lock does not match"
+    more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
+    return CarbonForgeError(
+        f"the weights of {check.repo} at {check.commit[:12]} do not match the lock fetch wrote: {first}{more}",
+        f"run `{fetch}` again where the hub is reachable (it compares every file with the hub and names the "
+        "one to delete), or carry a freshly fetched cache over",
+    )
 
 
 # --- what fetch records -------------------------------------------------------------------------
