@@ -461,7 +461,7 @@ def _container_problems(pod: Pod, where: list[Any], container: dict[str, Any]) -
         name = str(mount.get("name"))
         if name not in volumes and name not in pod.claim_templates:
             yield [*where, "volumeMounts", index, "name"], f"no volume named {name!r}"
-        elif "secret" in volumes.get(name, {}) and mount.get("readOnly") is not True:
+        elif _secret_sources(volumes.get(name, {})) and mount.get("readOnly") is not True:
             yield [*where, "volumeMounts", index], f"the Secret volume {name!r} must be mounted readOnly: true"
     if (container.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False:
         yield [*where, "securityContext", "allowPrivilegeEscalation"], "must be false"
@@ -1046,6 +1046,115 @@ def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any
                 yield doc, path, message
 
 
+# ---- docker/compose.yaml ------------------------------------------------------------------------------
+
+COMPOSE_FILE = REPO / "docker" / "compose.yaml"
+#: Host addresses a published port may be bound to by default: the host's own loopback.
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _published_address(entry: Any) -> tuple[str | None, str]:
+    """(host address or None for every address, the entry as written) of one ``ports`` entry."""
+    if isinstance(entry, dict):
+        shown = str(entry.get("published") or entry.get("target"))
+        return (str(entry["host_ip"]) if entry.get("host_ip") else None), shown
+    text = str(entry).split("/")[0]
+    if text.startswith("["):  # [::1]:8000:8000
+        return text[1:text.index("]")], str(entry)
+    parts = text.split(":")
+    return (parts[0] if len(parts) >= 3 else None), str(entry)
+
+
+def _compose_targets(service: dict[str, Any]) -> list[tuple[str, bool]]:
+    """(path in the container, read-only) of every volume, bind mount and tmpfs of a compose service."""
+    out: list[tuple[str, bool]] = []
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, dict):
+            out.append((str(volume.get("target", "")), bool(volume.get("read_only"))))
+        else:
+            parts = str(volume).split(":")
+            target = parts[1] if len(parts) >= 2 else parts[0]
+            out.append((target, len(parts) >= 3 and "ro" in parts[2].split(",")))
+    tmpfs = service.get("tmpfs") or []
+    for entry in [tmpfs] if isinstance(tmpfs, str) else tmpfs:
+        out.append((str(entry).split(":")[0], False))
+    return out
+
+
+def _compose_secret_targets(service: dict[str, Any]) -> set[str]:
+    """The files the service's secrets appear as (/run/secrets/<name> unless a target moves one)."""
+    out = set()
+    for secret in service.get("secrets") or []:
+        source, target = (secret.get("source"), secret.get("target")) if isinstance(secret, dict) else (secret, None)
+        target = str(target or source)
+        out.add(target if target.startswith("/") else f"/run/secrets/{target}")
+    return out
+
+
+def _compose_service_problems(service: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    for index, entry in enumerate(service.get("ports") or []):
+        address, shown = _published_address(entry)
+        if address is None or (address not in LOOPBACK and not address.startswith("127.")):
+            yield ["ports", index], (f"publishes {shown} on every address of the host: publish it on the loopback "
+                                     "(\"127.0.0.1:8000:8000\") and let a proxy with TLS, or a firewall, decide who "
+                                     "else reaches it")
+    if service.get("read_only") is not True:
+        yield ["read_only"], "must be true: a read-only image, with a volume or a tmpfs where the runtime writes"
+    if "ALL" not in [str(c).upper() for c in service.get("cap_drop") or []]:
+        yield ["cap_drop"], "must drop ALL: neither the runtime nor vLLM needs a Linux capability"
+    if service.get("cap_add"):
+        yield ["cap_add"], (f"adds {', '.join(map(str, service['cap_add']))}: only the energy controller's clock "
+                            "control needs one (SYS_ADMIN, as root): do that in an override file of your own")
+    if service.get("privileged") is True:
+        yield ["privileged"], "must not be true"
+    if not any(str(opt).replace("=", ":") in ("no-new-privileges:true", "no-new-privileges")
+               for opt in service.get("security_opt") or []):
+        yield ["security_opt"], "must hold no-new-privileges:true (no privilege escalation)"
+    limits = ((service.get("deploy") or {}).get("resources") or {}).get("limits") or {}
+    for name, own in (("memory", "mem_limit"), ("cpus", "cpus")):
+        if limits.get(name) is None and service.get(own) is None:
+            yield ["deploy", "resources", "limits", name], (
+                f"missing: bound the container's {name}, so that a flood of requests cannot take the host's")
+    env = service.get("environment") or {}
+    names = list(env) if isinstance(env, dict) else [str(item).partition("=")[0] for item in env]
+    for name in names:
+        if name in SECRET_VARIABLES:
+            yield ["environment", name], (f"a secret as a variable, which `docker inspect` shows: give it as a file "
+                                          f"(a compose secret) named by {SECRET_FILE_VARIABLES[name]}")
+    key_file = _env_value(env, "CF_API_KEY_FILE")
+    if key_file is None:
+        yield ["environment"], ("CF_API_KEY_FILE is not set: the API would answer anyone who reaches it; give the "
+                                "key as a compose secret and name its file /run/secrets/<name>")
+    elif key_file not in _compose_secret_targets(service):
+        yield ["environment", "CF_API_KEY_FILE"], f"{key_file} is no secret of this service (its `secrets:`)"
+    targets = _compose_targets(service)
+    for path, what in writable_paths(env):
+        if path == "/dev/shm":
+            continue  # Docker mounts its own, writable, sized by shm_size
+        covering = [(target, ro) for target, ro in targets if _under(path, target)]
+        if not covering:
+            yield [], (f"nothing is mounted at {path}, {what}: with read_only it cannot be written; add a volume "
+                       "or a tmpfs there")
+        elif max(covering, key=lambda item: len(item[0]))[1]:
+            yield [], f"{path}, {what}, is mounted read-only: the runtime writes there"
+
+
+def compose_problems(path: Path = COMPOSE_FILE) -> list[Problem]:
+    """The hardened defaults of a compose file, for every service that runs the runtime's image."""
+    source = _shown(path)
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_loader())
+    except (OSError, yaml.YAMLError) as exc:
+        return [Problem(source, "compose", path.name, "", f"cannot be read: {exc}")]
+    problems = []
+    for name, service in ((data or {}).get("services") or {}).items():
+        if not isinstance(service, dict) or not _is_runtime(service):
+            continue
+        for where, message in _compose_service_problems(service):
+            problems.append(Problem(source, "service", str(name), _json_path(["services", name, *where]), message))
+    return problems
+
+
 # ---- the check ----------------------------------------------------------------------------------------
 
 
@@ -1095,9 +1204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the tree of kustomizations to check (default: %(default)s)")
     parser.add_argument("--schemas", type=Path, default=None,
                         help="the vendored CRDs (default: DEPLOY/schemas)")
+    parser.add_argument("--compose", type=Path, default=COMPOSE_FILE,
+                        help="the compose file whose runtime service is checked too (default: %(default)s)")
     args = parser.parse_args(argv)
     schemas = Schemas(args.schemas or args.deploy / "schemas")
     problems, directories, documents = check_tree(args.deploy, schemas)
+    problems += compose_problems(args.compose)
     if directories == 0:
         print(f"manifests: no kustomization under {_shown(args.deploy)}", file=sys.stderr)
         return 1
