@@ -49,6 +49,8 @@ class Repo:
             return revision
         if revision == "main":
             return self.commit
+        if revision in self.refs.values():  # the commit a tag or branch points at
+            return revision
         return self.refs.get(revision)
 
 
@@ -59,6 +61,8 @@ class Seen:
     #: The first byte a ``Range: bytes=N-`` header asked for (None: no Range header).
     range_start: int | None
     authorization: str | None
+    #: The query string (``blobs=True`` when huggingface_hub asks for the files' hashes).
+    query: str = ""
 
 
 def git_oid(data: bytes) -> str:
@@ -161,7 +165,8 @@ class _Handler(BaseHTTPRequestHandler):
         if header and header.startswith("bytes="):
             start = int(header[len("bytes="):].split("-", 1)[0] or 0)
         with self.hub._lock:
-            self.hub.requests.append(Seen(self.command, path, start, self.headers.get("Authorization")))
+            self.hub.requests.append(Seen(self.command, path, start, self.headers.get("Authorization"),
+                                          urlsplit(self.path).query))
 
     def _send(self, status: int, body: bytes = b"", headers: Mapping[str, str] | None = None,
               content_type: str = "application/json") -> None:
