@@ -133,7 +133,8 @@ DEFAULT_READY_TIMEOUT_S = 3600.0
 VarName = Literal[
     "CF_CONTEXT_KEY", "CARBONFORGE_LICENSE_KEY", "CF_LICENSE_FILE", "CF_DRY_RUN", "CF_MAX_MODEL_LEN",
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
-    "CF_METRICS_PORT", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR", "CF_COMPILE_CACHE_DIR",
+    "CF_METRICS_PORT", "CF_METRICS_HOST", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR",
+    "CF_COMPILE_CACHE_DIR",
     "HF_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_NNODES",
     "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
     "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS", "CF_ENGINE_ENV_PASS",
@@ -244,8 +245,13 @@ class Settings:
     host = Var("CF_HOST", "Address the API binds to",
                _text, "0.0.0.0", read=str)
     metrics_port = Var("CF_METRICS_PORT",
-                       "Port of the Prometheus metrics endpoint (with --metrics; same address as the API)",
+                       "Port of the Prometheus metrics endpoint (with --metrics; on CF_METRICS_HOST)",
                        _port, DEFAULT_METRICS_PORT, read=int)
+    metrics_host = Var("CF_METRICS_HOST",
+                       "Address the Prometheus metrics endpoint binds to; unset: the API's address (CF_HOST). The "
+                       "endpoint has no authentication: bind it to 127.0.0.1 or a private address, or let only "
+                       "Prometheus reach the port",
+                       _text, read=_text_or_none)
     fake_nvml = Var("CF_FAKE_NVML", "Testing only: path of a JSON script that replaces NVML with a simulated GPU",
                     _text, read=_text_or_none)
     ready_timeout_s = Var("CF_READY_TIMEOUT_S", "Deadline for the engine to become ready (weights download included)",

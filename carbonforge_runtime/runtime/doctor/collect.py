@@ -208,15 +208,16 @@ def collect_facts(
     host = plan.host if plan else settings.host
     api_port = plan.port if plan else settings.port
     port_setting = "CF_PORT" if plan is None or plan.mode == "recipe" else "--port"
-    wanted_ports = [("API", api_port, port_setting)]
+    wanted_ports = [("API", host, api_port, port_setting)]
     if request.metrics:
-        wanted_ports.append(("metrics", settings.metrics_port, "CF_METRICS_PORT"))
+        wanted_ports.append(("metrics", settings.metrics_host or settings.host, settings.metrics_port,
+                             "CF_METRICS_PORT"))
 
-    def port(purpose: str, number: int, setting: str) -> PortFacts:
-        return _guarded(lambda: probes.port(purpose, host, number, setting),
-                        lambda exc: PortFacts(purpose, host, number, False, _unexpected(exc), setting))
+    def port(purpose: str, address: str, number: int, setting: str) -> PortFacts:
+        return _guarded(lambda: probes.port(purpose, address, number, setting),
+                        lambda exc: PortFacts(purpose, address, number, False, _unexpected(exc), setting))
 
-    ports = [port(purpose, number, setting) for purpose, number, setting in wanted_ports]
+    ports = [port(purpose, address, number, setting) for purpose, address, number, setting in wanted_ports]
 
     def directory(path: str) -> PathFacts:
         return _guarded(lambda: probes.directory(path), lambda exc: PathFacts(path, False, False, _unexpected(exc)))

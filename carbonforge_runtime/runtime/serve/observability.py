@@ -179,14 +179,15 @@ class Observability:
         from carbonforge_runtime.runtime.metrics.exposition import make_registry
 
         port = self.settings.metrics_port
-        host = self.settings.host
+        host = self.settings.metrics_host or self.settings.host  # CF_METRICS_HOST, else the API's CF_HOST
         registry = make_registry(self.state.snapshot)
         try:
             self.server, self.server_thread = start_wsgi_server(port, addr=host, registry=registry)
         except OSError as exc:
             raise CarbonForgeError(
                 f"cannot serve metrics on {host}:{port} ({exc.strerror or exc})",
-                f"stop what listens on port {port}, set CF_METRICS_PORT to a free port, or drop --metrics",
+                f"stop what listens on port {port}, set CF_METRICS_PORT to a free port (or CF_METRICS_HOST to an "
+                "address of this host), or drop --metrics",
             ) from None
         self.metrics_port = port
         self.log.info("metrics: Prometheus endpoint on http://%s:%d/metrics",

@@ -224,3 +224,20 @@ def test_a_moved_metrics_port_is_the_one_the_doctor_and_the_preflight_probe() ->
     checks, _ = run_preflight(ServeOptions(context_key=L4_KEY, metrics=True), FakeGpuBackend(host("l4")),
                               free_elsewhere, env=env)
     assert checks == [] and ("metrics", 9200, "CF_METRICS_PORT") in free_elsewhere.asked
+
+
+def test_the_metrics_port_is_probed_on_cf_metrics_host() -> None:
+    class AddressProbes(FixedProbes):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[tuple[str, str, int]] = []
+
+        def port(self, purpose: str, host: str, port: int, setting: str):  # type: ignore[no-untyped-def]
+            self.asked.append((purpose, host, port))
+            return super().port(purpose, host, port, setting)
+
+    probes = AddressProbes()
+    env = {"CF_HOST": "0.0.0.0", "CF_METRICS_HOST": "127.0.0.1"}
+    diagnose(DoctorRequest(context_key=L4_KEY, metrics=True), env, FakeGpuBackend(host("l4")), probes=probes)
+    assert ("metrics", "127.0.0.1", 9105) in probes.asked
+    assert ("API", "0.0.0.0", 8000) in probes.asked

@@ -334,3 +334,20 @@ def test_gpu_monitor_logs_joules_per_output_token(tmp_path: Path, monkeypatch: p
     assert 0.1 < per_token < 5.0, line
     assert "120 W on average" in line and obs.state.joules_per_output_token == pytest.approx(per_token, rel=1e-3)
     assert "CF_FAKE_NVML is set" in caplog.text
+
+
+@pytest.mark.parametrize(("env", "bound"), [
+    ({"CF_HOST": "0.0.0.0", "CF_METRICS_HOST": "127.0.0.1"}, "127.0.0.1"),  # its own address
+    ({"CF_HOST": "127.0.0.1"}, "127.0.0.1"),  # unset: the API's
+    ({}, "0.0.0.0"),  # neither: the API's default, as the published docs' port table has it
+])
+def test_the_metrics_endpoint_binds_to_cf_metrics_host(tmp_path: Path, env: dict[str, str], bound: str) -> None:
+    env = {**env, "CF_METRICS_PORT": str(free_port()), "CF_LOG_DIR": str(tmp_path)}
+    options = ServeOptions(context_key=TINY_KEY, metrics=True)
+    prepared, settings = prepared_for(options, env)
+    obs = start_observability(prepared, options, settings, env, LOG)
+    assert obs is not None
+    try:
+        assert obs.server.server_address[0] == bound
+    finally:
+        obs.close()
