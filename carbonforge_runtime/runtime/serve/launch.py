@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from carbonforge_runtime import files
 from carbonforge_runtime import log as cflog
-from carbonforge_runtime.core.api_contract import GROUP_DOWN_VARIABLE
+from carbonforge_runtime.core.api_contract import GROUP_DOWN_VARIABLE, LICENCE_EXPIRED_VARIABLE
 from carbonforge_runtime.core.contract import EngineContract, TraceConfig
 from carbonforge_runtime.errors import CarbonForgeError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
@@ -38,6 +38,7 @@ from carbonforge_runtime.runtime.doctor.preflight import (
 )
 from carbonforge_runtime.runtime.doctor.probes import weights_lock_on_host, weights_on_host
 from carbonforge_runtime.runtime.group.placement import Group
+from carbonforge_runtime.runtime.licensing.watch import watch_licence
 from carbonforge_runtime.runtime.planning.command import LaunchPlan
 from carbonforge_runtime.runtime.planning.plan import (
     ServeOptions,
@@ -312,6 +313,8 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     _create_step_log(plan.contract)
     if plan.serves_api:  # a headless worker serves no API for the healthcheck to probe
         _record_serve_address(log_dir, plan.host, plan.port)
+    # A premium serve's licence is re-checked every minute (refused here when the clock was set back past expiry).
+    licence_watch = watch_licence(prepared.licence, log_dir, logger)
     if plan.recipe and plan.recipe.model.builtin:
         from carbonforge_runtime.runtime.weights.tiny_model import ensure_tiny_model
 
@@ -323,6 +326,9 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     observe = start_observability(prepared, options, settings, environ, logger, stop)
     contract = observe.engine_contract(plan.contract) if observe is not None else plan.contract
     engine_env = plan.engine_env(contract)
+    if licence_watch is not None:  # the API server refuses new requests once this file exists
+        engine_env[LICENCE_EXPIRED_VARIABLE] = str(licence_watch.expired_file)
+        licence_watch.start()
     group = _watch_group(plan.group, log_dir, engine_env, logger)
     engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
     what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
@@ -358,6 +364,8 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
             group.close()
         if observe is not None:
             observe.close()
+        if licence_watch is not None:
+            licence_watch.close()
     return report.exit_code
 
 

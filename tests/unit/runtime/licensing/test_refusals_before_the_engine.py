@@ -34,3 +34,24 @@ def test_refusals_exit_before_the_engine_starts(tmp_path: Path) -> None:
         assert phrase in out and "premium-plan" in out and "fix:" in out, out
         assert "Traceback" not in out
         assert not (tmp_path / f"case{i}" / "vllm.log").exists(), "the engine was started"
+
+
+def test_a_clock_set_back_past_expiry_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
+    """The licence is valid by the host clock, but an earlier run saw a later time, past its expiry
+    (its mark is in the log directory): the runtime refuses with exit 4 before vLLM starts."""
+    import json
+
+    vendor = new_vendor(tmp_path)
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "licence-clock.json").write_text(json.dumps({"seen": time.time() + 60 * 86400}))
+    run = premium_runtime(log_dir, vendor, CARBONFORGE_LICENSE_KEY=issue(vendor, "--days", "30")).start()
+    try:
+        code = run.wait(timeout_s=60)
+    finally:
+        run.kill()
+    out = run.output()
+    assert code == 4, out
+    assert "behind the latest time this runtime has seen" in out and "correct the host clock" in out, out
+    assert "Traceback" not in out
+    assert not (log_dir / "vllm.log").exists(), "the engine was started"
