@@ -33,6 +33,17 @@ def _positive_int(name: str, raw: str) -> int:
     return value
 
 
+def _positive_bytes(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OverrideError(f"{name}={raw!r} is not a positive whole number of bytes",
+                            f"set {name} to a size in bytes (e.g. {name}=16777216 for 16 MiB) or unset it")
+    return value
+
+
 def _index(name: str, raw: str) -> int:
     try:
         value = int(raw.strip())
@@ -124,6 +135,10 @@ DEFAULT_METRICS_PORT = 9105
 DEFAULT_MASTER_PORT = 29501
 DEFAULT_GROUP_PORT = 29499
 DEFAULT_READY_TIMEOUT_S = 3600.0
+#: The API's request body limit. 16 MiB: the longest context of the shipped recipes (131,072 tokens)
+#: at 6 bytes a token of escaped JSON is under 1 MiB; the rest leaves room for images and tools
+#: (nginx's default is 1 MB; vLLM sets none).
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 #: The declared names, for type checking: an undeclared name passed to :meth:`Settings.value`,
 #: :meth:`Settings.is_set` or typed ``VarName`` fails mypy. Python's type system cannot derive a
@@ -136,7 +151,9 @@ VarName = Literal[
     "CF_METRICS_PORT", "CF_METRICS_HOST", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR",
     "CF_COMPILE_CACHE_DIR",
     "HF_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_NNODES",
-    "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
+    "CF_MAX_REQUEST_BYTES",
+    "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_GROUP_SECRET", "CF_GROUP_SECRET_FILE",
+    "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
     "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS", "CF_ENGINE_ENV_PASS",
 ]
 
@@ -278,6 +295,10 @@ class Settings:
     api_key_file = Var("CF_API_KEY_FILE",
                        "File holding the API key (e.g. a read-only secret mount); CF_API_KEY wins",
                        _text, read=_text_or_none)
+    max_request_bytes = Var("CF_MAX_REQUEST_BYTES",
+                            "Largest request body the API reads, in bytes; a larger one is answered 413 "
+                            "`request_too_large` before it is read in full",
+                            _positive_bytes, DEFAULT_MAX_REQUEST_BYTES, read=int)
     nnodes = Var("CF_NNODES", "Hosts in this serving group (a multi-host recipe); unset or 1: one host",
                  _positive_int, read=_optional_int)
     node_rank = Var("CF_NODE_RANK", "This host's place in the group: 0 is the leader (API server), 1.. are workers",
@@ -288,8 +309,17 @@ class Settings:
                       _port, DEFAULT_MASTER_PORT, read=int)
     group_port = Var("CF_GROUP_PORT",
                      "Port on the leader where the runtimes of a group watch each other, so that the group stops "
-                     "as one when a host is gone; it has no authentication: let only the group's hosts reach it",
+                     "as one when a host is gone; it listens on the leader's address and admits only hosts that "
+                     "prove the group secret (CF_GROUP_SECRET_FILE)",
                      _port, DEFAULT_GROUP_PORT, read=int)
+    group_secret = Var("CF_GROUP_SECRET",
+                       "The secret every host of a group shares, at least 16 characters; a group of more than one "
+                       "host refuses to start without it (CF_GROUP_SECRET_FILE is the safer way to give it)",
+                       _text, read=_text_or_none)
+    group_secret_file = Var("CF_GROUP_SECRET_FILE",
+                            "File holding the group secret (e.g. a mounted Kubernetes Secret), the same on every "
+                            "host of the group; CF_GROUP_SECRET wins",
+                            _text, read=_text_or_none)
     join_timeout_s = Var("CF_JOIN_TIMEOUT_S",
                          "How long the hosts of a group wait for each other at start and for a collective operation "
                          "(vLLM's --distributed-timeout-seconds); raise it (e.g. 1800) for large models that hosts "

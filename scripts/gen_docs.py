@@ -385,14 +385,18 @@ def api_errors_table() -> str:
     from carbonforge_runtime.core.api_contract import (
         CHAT_PATH,
         JSON_PATHS,
+        LICENCE_EXPIRED_ERROR,
+        RESPONSES_PATH,
         ApiContract,
         ApiError,
         auth_error,
         check_request,
+        too_large_error,
     )
+    from carbonforge_runtime.settings import DEFAULT_MAX_REQUEST_BYTES
 
-    def refused(when: str, body: bytes, contract: ApiContract) -> tuple[str, ...]:
-        error = check_request(CHAT_PATH, body, contract)
+    def refused(when: str, body: bytes, contract: ApiContract, path: str = CHAT_PATH) -> tuple[str, ...]:
+        error = check_request(path, body, contract)
         if not isinstance(error, ApiError):
             raise GenerationError(f"the request contract no longer refuses {body!r} ({when})")
         return fields(when, error)
@@ -411,11 +415,18 @@ def api_errors_table() -> str:
                 b'{"messages": [], "chat_template_kwargs": {"reasoning_effort": "high"}}', thinking),
         refused("the top-level `reasoning_effort` is not one of the efforts above",
                 b'{"messages": [], "reasoning_effort": "high"}', thinking),
+        refused(f"a request to `{RESPONSES_PATH}` has a `reasoning.effort` that is not one of the efforts above",
+                b'{"input": "x", "reasoning": {"effort": "high"}}', thinking, RESPONSES_PATH),
         refused("`tools` sent (and `tool_choice` is not `none`) to a model served without a tool-call parser",
                 b'{"messages": [], "tools": [{"type": "function"}]}', ApiContract(tools=False)),
         fields("keys are required and the request has no `Authorization` header", auth_error(key_sent=False)),
         fields("keys are required and the header holds another key (or is not `Bearer KEY`)",
                auth_error(key_sent=True)),
+        fields("the body is longer than `CF_MAX_REQUEST_BYTES` (the message names the limit; "
+               f"{DEFAULT_MAX_REQUEST_BYTES} bytes unless set), by its `Content-Length` or as it streams in",
+               too_large_error(DEFAULT_MAX_REQUEST_BYTES)),
+        fields("the licence the server runs under has expired: every request but `/metrics` "
+               "(requests in flight finish)", LICENCE_EXPIRED_ERROR),
     ]
     return _table(["Status", "`message`", "`type`", "`param`", "`code`", "When"], rows)
 
@@ -521,6 +532,27 @@ class Generated:
     render: Callable[[], str]
 
 
+def api_routes_table() -> str:
+    """The paths open without a key, and the routes whose request bodies the contract judges."""
+    from carbonforge_runtime.core.api_contract import PUBLIC_PATHS, ROUTES
+
+    checks = {
+        "chat": "JSON object, `messages`, effort (`chat_template_kwargs`, `reasoning_effort`), tools; "
+                "the effort mapped, with the recipe's thinking budget",
+        "chat_batch": "as a chat request; the effort mapped, no thinking budget (vLLM's batch request has none)",
+        "invocation": "a body with `messages` as a chat request, any other as a completion",
+        "responses": "JSON object, effort (`reasoning.effort`, `chat_template_kwargs`), tools; the effort "
+                     "mapped, no thinking budget (vLLM's Responses API has none)",
+        "json": "JSON object",
+    }
+    rows = [(_code(path), "no", why, "") for path, why in PUBLIC_PATHS.items()]
+    rows += [(_code(path), "yes", checks[route.kind], "yes" if route.answers else "")
+             for path, route in sorted(ROUTES.items())]
+    rows.append(("any other path", "yes", "the size limit only", ""))
+    return _table(["Path", "Key needed", "Checked before vLLM (for an open path: why it is open)",
+                   "`reasoning_content` added"], rows)
+
+
 #: Every generated table: its marker name, the page it lives in, and the function that builds it.
 TABLES: dict[str, Generated] = {
     "commands": Generated("cli.md", commands_table),
@@ -533,6 +565,7 @@ TABLES: dict[str, Generated] = {
     "recipe-api": Generated("clients.md", recipe_api_table),
     "api-efforts": Generated("clients.md", efforts_table),
     "api-errors": Generated("clients.md", api_errors_table),
+    "api-routes": Generated("clients.md", api_routes_table),
     "metrics": Generated("metrics-and-energy.md", metrics_table),
     "trace-fields-standard": Generated("tracing.md", _trace_fields("standard")),
     "trace-fields-added": Generated("tracing.md", _trace_fields("added")),

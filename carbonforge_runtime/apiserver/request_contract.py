@@ -1,33 +1,49 @@
 """The request contract as an ASGI middleware, loaded by vLLM's API server with ``--middleware``.
 
-It runs in the API server process, outermost in vLLM's middleware stack, and sees every request:
+It runs in the API server process, outermost in vLLM's middleware stack, and sees every request
+before vLLM does. In order:
 
-* a JSON POST to a chat or completion endpoint is read whole and judged by
-  :func:`~carbonforge_runtime.core.api_contract.check_request`; an accepted body goes on (rewritten
-  only where the effort needs mapping), a refused one is answered with the OpenAI error shape;
-* when vLLM checks API keys (``VLLM_API_KEY``), its bare 401 is reshaped into the documented
-  message. The key check itself stays vLLM's: a refused body is still shown to it (as an empty,
-  invalid body), so a caller without the right key gets 401, never a 400 about the body;
-* everything else, responses and streaming included, passes through untouched.
+1. **The key.** When keys are required (``VLLM_API_KEY``), every path but the public ones
+   (:data:`~carbonforge_runtime.core.api_contract.PUBLIC_PATHS`) needs ``Authorization: Bearer KEY``,
+   judged from the headers alone: a refused request is answered 401 before a byte of its body is
+   read, whatever route vLLM has for it (a websocket is closed instead).
+2. **Stopped.** Once the runtime says the server stops taking requests (the licence expired, or a
+   multi-host group lost a host), the probes answer 503 and so does every other request but the
+   metrics scrape; requests already in flight finish.
+3. **The size.** A body is read only up to ``max_request_bytes``: a larger one is answered 413 as soon
+   as its declared length or the bytes read so far pass the limit.
+4. **The contract.** A JSON POST to a route of
+   :data:`~carbonforge_runtime.core.api_contract.ROUTES` is judged by
+   :func:`~carbonforge_runtime.core.api_contract.check_request`: an accepted body goes on (rewritten
+   where the effort needs mapping), a refused one is answered in the OpenAI error shape. Chat
+   answers get ``reasoning_content`` beside vLLM's ``reasoning``.
+
+Routes are matched the way Starlette matches them: the path without ``--root-path``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from carbonforge_runtime.core.api_contract import (
     API_CONTRACT_VARIABLE,
-    CHAT_PATH,
     GROUP_DOWN_VARIABLE,
+    LICENCE_EXPIRED_ERROR,
+    LICENCE_EXPIRED_VARIABLE,
+    ROUTES,
     ApiContract,
     ApiError,
     alias_reasoning_events,
     alias_reasoning_json,
     auth_error,
     check_request,
-    is_guarded,
+    is_public,
+    route_path,
+    too_large_error,
 )
 
 Scope = MutableMapping[str, Any]
@@ -35,10 +51,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-#: What vLLM's handlers get in place of a refused body while its key check decides.
-_POISON = b"\x00"
-
 
 def contract_from_environ(environ: MutableMapping[str, str] | None = None) -> ApiContract:
     text = (environ if environ is not None else os.environ).get(API_CONTRACT_VARIABLE)
@@ -52,37 +64,6 @@ async def _respond(send: Send, error: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _has_authorization(scope: Scope) -> bool:
-    return any(name.lower() == b"authorization" for name, _ in scope.get("headers", ()))
-
-
-class _Reshaped:
-    """A ``send`` that replaces the inner app's response: a 401 by the documented 401, any other
-    status by ``otherwise`` (or passes it through when ``otherwise`` is None)."""
-
-    __slots__ = ("key_sent", "otherwise", "replaced", "send")
-
-    def __init__(self, send: Send, key_sent: bool, otherwise: ApiError | None) -> None:
-        self.send = send
-        self.key_sent = key_sent
-        self.otherwise = otherwise
-        self.replaced = False
-
-    async def __call__(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            if message["status"] == 401:
-                self.replaced = True
-                await _respond(self.send, auth_error(self.key_sent))
-                return
-            if self.otherwise is not None:
-                self.replaced = True
-                await _respond(self.send, self.otherwise)
-                return
-        elif self.replaced:
-            return  # the inner app's body of a replaced response
-        await self.send(message)
-
-
 def _header(message: Message, name: bytes) -> bytes:
     for key, value in message.get("headers", ()):
         if key.lower() == name:
@@ -92,16 +73,12 @@ def _header(message: Message, name: bytes) -> bytes:
 
 class _ReasoningAlias:
     """A ``send`` that adds ``reasoning_content`` beside vLLM's ``reasoning`` in chat answers: a JSON
-    answer is held until whole (its length changes), a stream is rewritten event by event. With
-    ``key_sent`` given (keys are checked), it also reshapes a 401 as :class:`_Reshaped` does: one
-    wrapper instead of two, since a stream passes every event through it."""
+    answer is held until whole (its length changes), a stream is rewritten event by event."""
 
-    __slots__ = ("held", "key_sent", "pending", "replaced", "send", "start", "streaming")
+    __slots__ = ("held", "pending", "send", "start", "streaming")
 
-    def __init__(self, send: Send, key_sent: bool | None = None) -> None:
+    def __init__(self, send: Send) -> None:
         self.send = send
-        self.key_sent = key_sent
-        self.replaced = False
         self.start: Message | None = None
         self.streaming = False
         self.pending = b""
@@ -122,14 +99,8 @@ class _ReasoningAlias:
             message["body"] = alias_reasoning_events(data)
             await self.send(message)
             return
-        if self.replaced:
-            return
         kind = message["type"]
         if kind == "http.response.start":
-            if self.key_sent is not None and message["status"] == 401:
-                self.replaced = True
-                await _respond(self.send, auth_error(self.key_sent))
-                return
             content_type = _header(message, b"content-type")
             if content_type.startswith(b"text/event-stream"):
                 self.streaming = True
@@ -152,14 +123,24 @@ class _ReasoningAlias:
         await self.send({"type": "http.response.body", "body": body})
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None when the client went away first."""
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when the client went away first; :class:`_TooLarge` as soon
+    as more than ``limit`` bytes have come."""
     chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
             return None
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -184,7 +165,35 @@ def _with_length(scope: Scope, length: int) -> Scope:
     return {**scope, "headers": headers}
 
 
-HEALTH_PATH = "/health"
+def _declared_length(scope: Scope) -> int | None:
+    """The body's length from ``content-length``; None when absent (chunked, or no body) or unreadable
+    (the server refuses those itself)."""
+    raw = _header(scope, b"content-length")
+    return int(raw) if raw.isdigit() else None
+
+
+def key_digests(keys: str | None) -> tuple[bytes, ...]:
+    """The digests of the keys clients may send (``VLLM_API_KEY``); empty: no key is required."""
+    return (hashlib.sha256(keys.encode("utf-8")).digest(),) if keys else ()
+
+
+def key_verdict(scope: Scope, digests: tuple[bytes, ...]) -> ApiError | None:
+    """None when ``Authorization: Bearer KEY`` holds one of the keys, else the 401 to answer with
+    (compared as digests in constant time, as vLLM does)."""
+    value = _header(scope, b"authorization")
+    if not value:
+        return auth_error(key_sent=False)
+    scheme, _, token = value.partition(b" ")
+    sent = hashlib.sha256(token).digest()
+    matched = False
+    for digest in digests:
+        matched |= hmac.compare_digest(sent, digest)
+    return None if matched and scheme.lower() == b"bearer" else auth_error(key_sent=True)
+
+
+#: The probes: what load balancers ask before they send a request.
+PROBES = frozenset({"/health", "/ping"})
+METRICS_PATH = "/metrics"
 _GROUP_DOWN = ApiError(503, "the serving group lost a host; this server is stopping", type="service_unavailable")
 
 
@@ -194,38 +203,57 @@ class RequestContract:
     def __init__(self, app: App) -> None:
         self.app = app
         self.contract = contract_from_environ()
-        self.keys_checked = bool(os.environ.get("VLLM_API_KEY"))
+        self.keys = key_digests(os.environ.get("VLLM_API_KEY"))
         self.group_down_file = os.environ.get(GROUP_DOWN_VARIABLE) or None
+        self.licence_expired_file = os.environ.get(LICENCE_EXPIRED_VARIABLE) or None
+
+    def stopped(self, route: str) -> ApiError | None:
+        """The 503 for ``route`` once the server stops taking requests, else None."""
+        if route == METRICS_PATH:
+            return None
+        if self.licence_expired_file and os.path.exists(self.licence_expired_file):
+            return LICENCE_EXPIRED_ERROR
+        if route in PROBES and self.group_down_file and os.path.exists(self.group_down_file):
+            return _GROUP_DOWN
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        if path == HEALTH_PATH and self.group_down_file and os.path.exists(self.group_down_file):
-            await _respond(send, _GROUP_DOWN)
+        route = route_path(scope["path"], scope.get("root_path", ""))
+        refusal = None
+        if self.keys and not is_public(route) and scope.get("method") != "OPTIONS":
+            refusal = key_verdict(scope, self.keys)
+        refusal = refusal or self.stopped(route)
+        if kind == "websocket":
+            if refusal is not None:  # closing before accepting refuses the handshake (403)
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self.app(scope, receive, send)
             return
-        guarded = self.keys_checked and is_guarded(path) and scope.get("method") != "OPTIONS"
-        if scope.get("method") != "POST":
-            await self.app(scope, receive, _Reshaped(send, _has_authorization(scope), None) if guarded else send)
+        if refusal is None and (_declared_length(scope) or 0) > self.contract.max_request_bytes:
+            refusal = too_large_error(self.contract.max_request_bytes)
+        if refusal is not None:
+            await _respond(send, refusal)
             return
-        body = await _read_body(receive)
+        try:  # every request, whatever its headers say: a body is never passed on unread
+            body = await _read_body(receive, self.contract.max_request_bytes)
+        except _TooLarge:
+            await _respond(send, too_large_error(self.contract.max_request_bytes))
+            return
         if body is None:
             return
-        verdict = check_request(path, body, contract=self.contract)
-        if isinstance(verdict, ApiError):
-            if not guarded:
+        target = ROUTES.get(route) if scope.get("method") == "POST" else None
+        if target is not None:
+            verdict = check_request(route, body, contract=self.contract)
+            if isinstance(verdict, ApiError):
                 await _respond(send, verdict)
                 return
-            # vLLM's key check answers first; its handlers get a body they refuse at once.
-            await self.app(_with_length(scope, len(_POISON)), _replay(_POISON, receive),
-                           _Reshaped(send, _has_authorization(scope), verdict))
-            return
-        if verdict is not body:
-            scope = _with_length(scope, len(verdict))
-        key_sent = _has_authorization(scope) if guarded else None
-        if self.contract.reasoning and path == CHAT_PATH:
-            send = _ReasoningAlias(send, key_sent)
-        elif key_sent is not None:
-            send = _Reshaped(send, key_sent, None)
-        await self.app(scope, _replay(verdict, receive), send)
+            if verdict is not body:
+                scope = _with_length(scope, len(verdict))
+            body = verdict
+            if self.contract.reasoning and target.answers:
+                send = _ReasoningAlias(send)
+        await self.app(scope, _replay(body, receive), send)

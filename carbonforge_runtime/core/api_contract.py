@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from carbonforge_runtime.core.contract import ContractError
+from carbonforge_runtime.settings import DEFAULT_MAX_REQUEST_BYTES
 
 API_CONTRACT_VERSION = 1
 #: The variable the API server process reads its contract from.
@@ -40,17 +41,58 @@ DEFAULT_EFFORT = "low"
 NO_THINKING = "off"
 
 CHAT_PATH = "/v1/chat/completions"
-#: Endpoints whose body must be a JSON object (the chat endpoint gets the full check).
-JSON_PATHS = frozenset({CHAT_PATH, "/v1/completions", "/v1/embeddings", "/v1/responses"})
-#: Path prefixes that vLLM's key check guards (the probes /health and /metrics stay open).
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+RESPONSES_PATH = "/v1/responses"
+INVOCATIONS_PATH = "/invocations"
 
+
+@dataclass(frozen=True)
+class Route:
+    """What a path's handler does with a request body, as far as the contract is concerned.
+
+    ``kind`` is ``chat`` (one conversation in ``messages``), ``chat_batch`` (a list of conversations),
+    ``responses`` (the Responses API: effort in ``reasoning.effort``), ``invocation`` (SageMaker's
+    route: chat when the body has ``messages``, a completion otherwise) or ``json`` (the body must
+    be a JSON object, nothing more). ``answers`` is true where the answer is a generated chat
+    completion, which gets ``reasoning_content`` beside vLLM's ``reasoning``.
+    """
+
+    kind: str
+    answers: bool = False
+
+
+#: Every path of vLLM 0.32's API server whose handler takes a JSON body the contract judges, by the
+#: path as routed (after the root path). A path absent here is not looked at.
+ROUTES: Mapping[str, Route] = {
+    CHAT_PATH: Route("chat", answers=True),
+    "/v1/chat/completions/render": Route("chat"),
+    "/v1/chat/completions/batch": Route("chat_batch", answers=True),
+    INVOCATIONS_PATH: Route("invocation", answers=True),
+    RESPONSES_PATH: Route("responses"),
+    "/v1/responses/render": Route("responses"),
+    "/v1/completions": Route("json"),
+    "/v1/completions/render": Route("json"),
+    "/v1/embeddings": Route("json"),
+    "/v1/messages": Route("json"),
+}
+#: Endpoints whose body must be a JSON object (some get the full check: see :data:`ROUTES`).
+JSON_PATHS = frozenset(ROUTES)
+#: The paths anyone may call when API keys are required; every other path needs the key, including
+#: paths a later vLLM adds. ``/health`` and ``/ping`` (SageMaker's name for it) are what load
+#: balancers and orchestrators probe; ``/metrics`` is what Prometheus scrapes. None of them takes or
+#: returns a request's content.
+PUBLIC_PATHS: Mapping[str, str] = {
+    "/health": "liveness and readiness probes (503 once the server stops taking requests)",
+    "/ping": "the same probe under the name SageMaker-style hosts use",
+    "/metrics": "the engine's Prometheus metrics, for the scraper",
+}
 MSG_INVALID_JSON = "Invalid JSON payload"
 MSG_MISSING_MESSAGES = "Missing required parameter: 'messages'"
 MSG_BAD_EFFORT = "Unexpected reasoning effort"
 MSG_NO_TOOLS = "This model does not support tool calls"
 MSG_NO_KEY = "Authentication Error, No api key passed in."
 MSG_WRONG_KEY = "Authentication Error, Invalid API key passed in."
+MSG_TOO_LARGE = "Request body too large"
+MSG_LICENCE_EXPIRED = "The licence this server runs under has expired; new requests are refused"
 
 
 @dataclass(frozen=True)
@@ -63,6 +105,8 @@ class ApiContract:
     tools: bool = False
     #: Thinking tokens allowed per effort (``low``, ``medium``, ``xhigh``); ``None`` or absent: no cap.
     thinking_budget: Mapping[str, int | None] = field(default_factory=dict)
+    #: The largest request body read (``CF_MAX_REQUEST_BYTES``); a larger one is answered 413.
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def to_json(self) -> str:
         return orjson.dumps({
@@ -70,6 +114,7 @@ class ApiContract:
             "reasoning": self.reasoning,
             "tools": self.tools,
             "thinking_budget": dict(self.thinking_budget),
+            "max_request_bytes": self.max_request_bytes,
         }).decode()
 
     def env(self) -> dict[str, str]:
@@ -83,7 +128,7 @@ class ApiContract:
             raise ContractError(f"{API_CONTRACT_VARIABLE} is not JSON ({exc})") from None
         if not isinstance(data, dict) or data.get("version") != API_CONTRACT_VERSION:
             raise ContractError(f"{API_CONTRACT_VARIABLE} is not version {API_CONTRACT_VERSION} of the API contract")
-        unknown = set(data) - {"version", "reasoning", "tools", "thinking_budget"}
+        unknown = set(data) - {"version", "reasoning", "tools", "thinking_budget", "max_request_bytes"}
         if unknown:
             raise ContractError(f"{API_CONTRACT_VARIABLE} has unknown fields: {', '.join(sorted(unknown))}")
         reasoning, tools = data.get("reasoning", False), data.get("tools", False)
@@ -93,7 +138,10 @@ class ApiContract:
         for effort, tokens in budget.items():
             if effort not in EFFORTS or not (tokens is None or (isinstance(tokens, int) and tokens > 0)):
                 raise ContractError(f"{API_CONTRACT_VARIABLE}: bad thinking budget {effort}={tokens!r}")
-        return cls(reasoning, tools, budget)
+        cap = data.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+            raise ContractError(f"{API_CONTRACT_VARIABLE}: bad max_request_bytes {cap!r}")
+        return cls(reasoning, tools, budget, cap)
 
 
 @dataclass(frozen=True)
@@ -118,18 +166,38 @@ def auth_error(key_sent: bool) -> ApiError:
     return ApiError(401, MSG_NO_KEY, None, "missing_api_key", "authentication_error")
 
 
-def is_guarded(path: str) -> bool:
-    return path.startswith(GUARDED_PREFIXES)
+def too_large_error(limit: int) -> ApiError:
+    """The 413 for a body over ``limit`` bytes (announced by its length, or found while reading it)."""
+    return ApiError(413, f"{MSG_TOO_LARGE}: the limit is {limit} bytes (CF_MAX_REQUEST_BYTES)", None,
+                    "request_too_large")
+
+
+LICENCE_EXPIRED_ERROR = ApiError(503, MSG_LICENCE_EXPIRED, None, "licence_expired", "service_unavailable")
+
+
+def route_path(path: str, root_path: str) -> str:
+    """The path as the app routes it: ``path`` without the root path (``--root-path``), the way
+    Starlette matches routes (a path outside the root path is routed as it is)."""
+    if not root_path or not path.startswith(root_path):
+        return path
+    rest = path[len(root_path):]
+    return rest if rest == "" or rest.startswith("/") else path
+
+
+def is_public(route: str) -> bool:
+    """Whether ``route`` (see :func:`route_path`) is answered without the key."""
+    return route in PUBLIC_PATHS
 
 
 _BAD_EFFORT = ApiError(400, MSG_BAD_EFFORT, "chat_template_kwargs", "invalid_reasoning_effort")
 
 
-def effort_of(template_kwargs: Any, top_level: Any) -> str | ApiError:
+def effort_of(template_kwargs: Any, top_level: Any, top_param: str = "reasoning_effort") -> str | ApiError:
     """The effort a chat request asks for (``low``, ``medium``, ``xhigh`` or :data:`NO_THINKING`).
 
     ``template_kwargs`` is the request's ``chat_template_kwargs``; ``top_level`` its
-    ``reasoning_effort`` (what the OpenAI SDK sends). Both may be absent (``None``).
+    ``reasoning_effort`` (what the OpenAI SDK sends), or what the field named ``top_param`` holds
+    (``reasoning.effort`` in the Responses API). Both may be absent (``None``).
     """
     from_kwargs: str | None = None
     if template_kwargs is not None:
@@ -144,24 +212,25 @@ def effort_of(template_kwargs: Any, top_level: Any) -> str | ApiError:
     from_top: str | None = None
     if top_level is not None:
         if top_level not in EFFORTS:
-            return ApiError(400, MSG_BAD_EFFORT, "reasoning_effort", "invalid_reasoning_effort")
+            return ApiError(400, MSG_BAD_EFFORT, top_param, "invalid_reasoning_effort")
         from_top = top_level
     if from_kwargs is not None and from_top is not None and from_kwargs != from_top:
         return _BAD_EFFORT
     return from_kwargs or from_top or DEFAULT_EFFORT
 
 
-def apply_effort(request: dict[str, Any], effort: str, contract: ApiContract) -> None:
-    """Rewrite ``request`` in place into what the served model's chat template understands."""
+def apply_effort(request: dict[str, Any], effort: str, contract: ApiContract, budget: bool = True) -> None:
+    """Rewrite ``request`` in place into what the served model's chat template understands; with
+    ``budget`` false (an endpoint without vLLM's ``thinking_token_budget``) the cap is left out."""
     request.pop("reasoning_effort", None)
     if not contract.reasoning:
         request.pop("chat_template_kwargs", None)
         return
     thinking = effort != NO_THINKING
     request["chat_template_kwargs"] = {"enable_thinking": thinking}
-    budget = contract.thinking_budget.get(effort) if thinking else None
-    if budget is not None and request.get("thinking_token_budget") is None:
-        request["thinking_token_budget"] = budget
+    tokens = contract.thinking_budget.get(effort) if thinking and budget else None
+    if tokens is not None and request.get("thinking_token_budget") is None:
+        request["thinking_token_budget"] = tokens
 
 
 def _wants_tools(request: Mapping[str, Any]) -> bool:
@@ -169,9 +238,11 @@ def _wants_tools(request: Mapping[str, Any]) -> bool:
 
 
 def check_request(path: str, body: bytes, contract: ApiContract) -> bytes | ApiError:
-    """The body to forward for a POST to ``path`` (``body`` itself when nothing changes), or the
-    error to answer with. Paths outside :data:`JSON_PATHS` are not looked at."""
-    if path not in JSON_PATHS:
+    """The body to forward for a POST to ``path`` (the routed path, see :func:`route_path`): ``body``
+    itself when nothing changes, a rewritten body, or the error to answer with. Paths outside
+    :data:`ROUTES` are not looked at."""
+    route = ROUTES.get(path)
+    if route is None:
         return body
     try:
         request = orjson.loads(body)
@@ -179,8 +250,18 @@ def check_request(path: str, body: bytes, contract: ApiContract) -> bytes | ApiE
         return ApiError(400, MSG_INVALID_JSON, None, "invalid_json")
     if not isinstance(request, dict):
         return ApiError(400, MSG_INVALID_JSON, None, "invalid_json")
-    if path != CHAT_PATH:
-        return body
+    if route.kind == "chat":
+        return _check_chat(body, request, contract, budget=True)
+    if route.kind == "chat_batch":  # vLLM's batch request has no thinking_token_budget
+        return _check_chat(body, request, contract, budget=False)
+    if route.kind == "invocation":  # vLLM tries a chat request first, then a completion
+        return _check_chat(body, request, contract, budget=True) if "messages" in request else body
+    if route.kind == "responses":
+        return _check_responses(request, body, contract)
+    return body
+
+
+def _check_chat(body: bytes, request: dict[str, Any], contract: ApiContract, budget: bool) -> bytes | ApiError:
     if "messages" not in request:
         return ApiError(400, MSG_MISSING_MESSAGES, "messages", "missing_required_parameter")
     effort = effort_of(request.get("chat_template_kwargs"), request.get("reasoning_effort"))
@@ -193,9 +274,32 @@ def check_request(path: str, body: bytes, contract: ApiContract) -> bytes | ApiE
     if contract.reasoning and not _MAPPED_FIELDS.intersection(request):
         # The common case (nothing sent: the default effort): add the fields, no re-serialising.
         added: dict[str, Any] = {}
-        apply_effort(added, effort, contract)
+        apply_effort(added, effort, contract, budget)
         return _with_fields(body, added)
-    apply_effort(request, effort, contract)
+    apply_effort(request, effort, contract, budget)
+    return orjson.dumps(request)
+
+
+_RESPONSES_EFFORT = "reasoning.effort"
+
+
+def _check_responses(request: dict[str, Any], body: bytes, contract: ApiContract) -> bytes | ApiError:
+    """The Responses API: the effort comes as ``reasoning: {"effort": ...}`` (or in
+    ``chat_template_kwargs``), by the same rule as chat; vLLM 0.32 has no thinking budget there."""
+    reasoning = request.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        return ApiError(400, MSG_BAD_EFFORT, "reasoning", "invalid_reasoning_effort")
+    top = reasoning.get("effort") if reasoning else None
+    effort = effort_of(request.get("chat_template_kwargs"), top, _RESPONSES_EFFORT)
+    if isinstance(effort, ApiError):
+        return effort
+    if not contract.tools and _wants_tools(request):
+        return ApiError(400, MSG_NO_TOOLS, "tools", "tools_not_supported")
+    if not contract.reasoning and "chat_template_kwargs" not in request and top is None:
+        return body
+    if reasoning:
+        request["reasoning"] = {k: v for k, v in reasoning.items() if k != "effort"}
+    apply_effort(request, effort, contract, budget=False)
     return orjson.dumps(request)
 
 

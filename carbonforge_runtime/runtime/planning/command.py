@@ -14,7 +14,7 @@ from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes.model import DEFAULT_DRAIN_TIMEOUT_S, VLLM_KNOBS, ApiSpec, Recipe, departures_from
 from carbonforge_runtime.runtime.group.placement import WORKER_MODULE, Group
 from carbonforge_runtime.runtime.vllm_cli.args import VllmArgs, flag_name, read
-from carbonforge_runtime.settings import Settings, VarName
+from carbonforge_runtime.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, VarName
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -165,16 +165,25 @@ def scheduler_wiring(
 
 
 MIDDLEWARE = "carbonforge_runtime.apiserver.request_contract.RequestContract"
+API_KEY_FLAG = "--api-key"
 REASONING_FLAG = "--reasoning-parser"
 TOOL_PARSER_FLAG = "--tool-call-parser"
 AUTO_TOOL_FLAG = "--enable-auto-tool-choice"
 
 
-def api_wiring(spec: ApiSpec | None, user_args: Sequence[str]) -> tuple[list[str], ApiContract]:
+def api_wiring(spec: ApiSpec | None, user_args: Sequence[str],
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> tuple[list[str], ApiContract]:
     """(vLLM flags, API contract): the request-contract middleware always; the recipe's parsers
-    unless the user's flags name others (then the contract follows the user's flags)."""
+    unless the user's flags name others (then the contract follows the user's flags).
+
+    ``user_args`` come without single-valued secret flags (moved to the environment): an
+    ``--api-key`` still there holds several keys or none, which the middleware, reading the key
+    from the environment, would not enforce on every route, so it is refused."""
     args = ["--middleware", MIDDLEWARE]
     given = read(user_args)
+    if given.given(API_KEY_FLAG):
+        raise UsageError(f"{API_KEY_FLAG} among vLLM's arguments holds several keys (or none)",
+                         "give the server one key through CF_API_KEY or CF_API_KEY_FILE, not on the command line")
     reasoning = spec.reasoning_parser if spec else None
     tools = spec.tool_call_parser if spec else None
     if reasoning and not given.given(REASONING_FLAG):
@@ -185,7 +194,8 @@ def api_wiring(spec: ApiSpec | None, user_args: Sequence[str]) -> tuple[list[str
             args.append(AUTO_TOOL_FLAG)
     budget = dict(spec.thinking_budget) if spec and not given.given(REASONING_FLAG) else {}
     contract = ApiContract(reasoning=bool(reasoning or given.value(REASONING_FLAG)),
-                           tools=bool(tools or given.value(TOOL_PARSER_FLAG)), thinking_budget=budget)
+                           tools=bool(tools or given.value(TOOL_PARSER_FLAG)), thinking_budget=budget,
+                           max_request_bytes=max_request_bytes)
     return args, contract
 
 
@@ -257,7 +267,7 @@ def build_recipe_plan(
     sched_args, contract, sched_notes = scheduler_wiring(user_args, recipe.scheduler.family,
                                                          recipe.scheduler.params, trace)
     argv += sched_args
-    api_args, api = api_wiring(recipe.api, user_args)
+    api_args, api = api_wiring(recipe.api, user_args, settings.max_request_bytes)
     argv += api_args
     argv += env_extra + list(extra_args)
 
@@ -336,7 +346,7 @@ def build_override_plan(
     sched_args, contract, sched_notes = scheduler_wiring(args, "fcfs", {}, trace)
     argv += sched_args
     notes += sched_notes
-    api_args, api = api_wiring(None, args)
+    api_args, api = api_wiring(None, args, settings.max_request_bytes)
     argv += api_args
     ignored: tuple[VarName, ...] = ("CF_MAX_MODEL_LEN", "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS")
     for var in ignored:
