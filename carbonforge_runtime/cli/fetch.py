@@ -13,8 +13,11 @@ FETCH_EPILOG = (
     "Air-gapped hosts: on a machine that reaches the hub, run `carbonforge-runtime fetch KEY --to DIR` "
     "(HF_TOKEN in the environment for a gated model); carry DIR to the host; serve with HF_HUB_OFFLINE=1 "
     "and HUGGINGFACE_HUB_CACHE pointing at DIR (the last line printed is the docker run command). "
-    "Running fetch again downloads only what is missing. With HF_HUB_OFFLINE set, fetch downloads "
-    "nothing and checks that the cache holds every file."
+    "Running fetch again downloads only what is missing. Every file is compared with the hub's listing "
+    "(sha256 or Git blob id) and the commit with each file's sha256 is recorded in "
+    "models--ORG--NAME/carbonforge-locks/COMMIT.json, which serving checks at every start. With "
+    "HF_HUB_OFFLINE set, fetch downloads nothing, checks that the cache holds every file and hashes "
+    "each against that lock."
 )
 
 
@@ -29,7 +32,7 @@ def fetch_command(
 ) -> None:
     """Download the files a recipe's engine reads (weights, config, tokenizer, chat template) into the hub cache.
 
-    The recipe's pinned revision is fetched with Hugging Face's own download code (resumed when a
+    The recipe's revision (main when it pins none) is fetched with Hugging Face's own download code (resumed when a
     transfer breaks; HF_TOKEN and HF_ENDPOINT from the environment). A premium recipe needs a licence,
     as for serving. Ends with the docker run line that serves the result offline.
     """

@@ -3,8 +3,10 @@
 For each context key (or one ``--model REPO[@REVISION]``): the licence gate serving applies, then
 the download of exactly the files the engine reads (:mod:`~carbonforge_runtime.runtime.weights.hub_cache`),
 at the revision the recipe pins, into the cache the engine reads, or into ``--to DIR`` (a hub cache
-directory to carry to an air-gapped host). The output ends with the ``docker run`` line that serves
-the result with no network.
+directory to carry to an air-gapped host). Every file is then compared with the hub's listing and
+the commit the revision resolved to (``main`` when none is pinned) is recorded with each file's sha256
+in the weights lock (:mod:`~carbonforge_runtime.runtime.weights.lock`), which serving checks at every
+start. The output ends with the ``docker run`` line that serves the result with no network.
 """
 
 from __future__ import annotations
@@ -260,7 +262,12 @@ def fetch(keys: Sequence[str], model: str | None, to: str | None, settings: Sett
             say(f"{target.label}: " + _check_offline(target, cache_dir, environ))
         else:
             _prepare_cache(cache_dir)
-            at = f" at {target.revision}" if target.revision else ""
+            if target.revision:
+                at = f" at {target.revision}"
+            elif target.recipe is not None:
+                at = " at main (the recipe pins no revision: the commit main names now is the one locked)"
+            else:
+                at = " at main (no revision given: the commit main names now is the one locked)"
             say(f"{target.label}: fetching {target.repo}{at} into {cache_dir} (from {source})")
             started = time.monotonic()
             result = download(target.repo, target.revision, cache_dir, environ, say=say, terminal=terminal)
