@@ -39,6 +39,8 @@ def test_licensed_premium_recipe_serves(tmp_path: Path, vendor: dict[str, str]) 
         assert f"licence: using the licence file {licence_file}" in out
         assert f"entitles {PREMIUM_KEY}" in out and "E2E Test Ltd" in out
         assert licence not in out and licence.split(".")[2] not in out
+        # The licence watch runs: the clock's high-water mark is written, no expiry file yet.
+        assert (tmp_path / "licence-clock.json").is_file() and not (tmp_path / "licence-expired").exists()
         client = openai.OpenAI(base_url=run.base_url, api_key="unused", timeout=120, max_retries=0)
         response = client.chat.completions.create(
             model=SERVED, messages=[{"role": "user", "content": "hello"}], max_tokens=5,
