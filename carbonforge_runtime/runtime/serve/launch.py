@@ -328,7 +328,6 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     engine_env = plan.engine_env(contract)
     if licence_watch is not None:  # the API server refuses new requests once this file exists
         engine_env[LICENCE_EXPIRED_VARIABLE] = str(licence_watch.expired_file)
-        licence_watch.start()
     group = _watch_group(plan.group, log_dir, engine_env, logger)
     engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
     what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
@@ -346,6 +345,8 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
             observe.engine_ready()
 
     try:
+        if licence_watch is not None:  # checks every minute until the finally below
+            licence_watch.start()
         report = supervisor.supervise(
             engine,
             # A headless worker of a group has no API: nothing to wait for, it serves through the leader.
