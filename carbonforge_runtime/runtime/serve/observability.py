@@ -110,7 +110,8 @@ class Observability:
             vllm_version=vllm_version(),
             context_key=recipe.key_text if recipe else "",
             recipe=Path(recipe.source).stem if recipe else "override",
-            licence_plan=(recipe.plan if recipe else ("premium" if licence is not None else "free")),
+            # Premium whenever a licence was needed (a local recipe serving a premium model says free).
+            licence_plan="premium" if licence is not None else (recipe.plan if recipe else "free"),
             licence_expires_at=float(licence.expires_at) if licence is not None else None,
         )
 
