@@ -8,15 +8,21 @@ make us append to, chmod or truncate whatever it points at. So every such file i
 ``O_NOFOLLOW`` and checked to be a regular file, and a directory is probed with a uniquely named
 file created with ``O_EXCL`` (which never follows a link either) instead of a fixed name.
 Only the last component of a path is guarded: the directories on the way are the operator's choice.
+
+And writing every file the project writes for a user (a result, a model, a plot, a recipe, the
+address file): :func:`write_atomic`, the one writer, through a new file of a random name beside it,
+renamed over the target only once complete and on disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import stat
-from typing import BinaryIO
+from collections.abc import Callable
+from typing import IO, Any, BinaryIO
 
 from carbonforge_runtime.errors import CarbonForgeError
 
@@ -145,3 +151,66 @@ def probe_writable(directory: str | os.PathLike[str]) -> None:
         os.unlink(probe)
         return
     raise FileExistsError(errno.EEXIST, "no unused name for a write probe", os.fspath(directory))
+
+
+#: The mode of a file :func:`write_atomic` writes (it does not keep an earlier file's mode).
+WRITE_MODE = 0o644
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[Any]], object], *, binary: bool = False,
+                 mode: int = WRITE_MODE) -> None:
+    """Replace ``path`` with what ``write(handle)`` writes: the project's one writer of user files.
+
+    The content goes to a new file with a random name in the same directory (created with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``, so nothing that already exists there, a planted link included,
+    is ever opened), is flushed to disk, given ``mode``, and renamed over ``path``. Readers see the old
+    file or the whole new one, never a part. A symbolic link at ``path`` is replaced by the file, never
+    written through: its target is left as it was. On any failure (``write`` raising included) the
+    temporary file is removed and ``path`` is left as it was. The directory is created if missing.
+
+    ``handle`` is text (UTF-8) unless ``binary``. Raises ``OSError`` (``IsADirectoryError`` when
+    ``path`` is a directory), or whatever ``write`` raises."""
+    target = os.fspath(path)
+    directory = os.path.dirname(target) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, temp = _create_temp(directory, os.path.basename(target))
+    try:
+        handle: IO[Any] = os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")
+        with handle:
+            write(handle)
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            os.fsync(handle.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    _sync_directory(directory)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, mode: int = WRITE_MODE) -> None:
+    """:func:`write_atomic` of ``text`` (UTF-8)."""
+    write_atomic(path, lambda handle: handle.write(text), mode=mode)
+
+
+def _create_temp(directory: str, name: str) -> tuple[int, str]:
+    """A new, empty, owner-only file beside ``name`` in ``directory``: its descriptor and path."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        temp = os.path.join(directory, f".{name[:200]}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(temp, flags, 0o600), temp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused name for a temporary file", directory)
+
+
+def _sync_directory(directory: str) -> None:
+    """Put the rename on disk too (best effort: some file systems refuse to sync a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

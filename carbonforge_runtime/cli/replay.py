@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,6 +69,7 @@ def _run(trace: Path, base_url: str, model: str | None, api_key: str, rate: floa
          send_true_length: bool, quiet: bool) -> int:
     import asyncio
 
+    from carbonforge_runtime.files import write_text_atomic
     from carbonforge_runtime.offline.replay.aggregate import format_table
     from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
     from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
@@ -110,9 +110,11 @@ def _run(trace: Path, base_url: str, model: str | None, api_key: str, rate: floa
         "summary": summary,
         "requests": [o.to_json() for o in result.outcomes],
     }
-    if output.parent != Path(""):
-        os.makedirs(output.parent, exist_ok=True)
-    output.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-    print(format_table(summary))
+    print(format_table(summary))  # before the file: a write that fails still shows the run's figures
+    try:
+        write_text_atomic(output, json.dumps(document, indent=1) + "\n")
+    except OSError as exc:
+        raise ReplayError(f"cannot write the result to {output} ({exc.strerror or exc})",
+                          "pass --output with a path in a writable directory") from None
     print(f"result: {output}")
     return 0 if summary["failed"] == 0 else 1

@@ -144,12 +144,12 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
          async_scheduling: bool | None, mooncake_block_tokens: int, output: Path, records: Path | None,
          quiet: bool) -> int:
     from carbonforge_runtime.core.twin_data import SimError
+    from carbonforge_runtime.files import write_atomic
     from carbonforge_runtime.offline.sim.results import (
         build_document,
         dump_json,
         dump_jsonl,
         format_sim_table,
-        write_atomically,
     )
     from carbonforge_runtime.offline.sim.results import (
         records as build_records,
@@ -224,8 +224,8 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
                  "start": start, "limit": limit, "cost_model": cost.name, "records": str(records_path)},
         run=run, rejected=rejected, cost=cost, engine=engine)
     rows = build_records(run, rejected, family_name, origin_s=0.0)
-    write_atomically(records_path, dump_jsonl(rows))
-    write_atomically(output, dump_json(document))
+    write_atomic(records_path, dump_jsonl(rows))
+    write_atomic(output, dump_json(document))
     progress(f"sim: {run.steps} steps in {time.monotonic() - started:.1f} s")
     print(format_sim_table(document))
     print(f"result: {output}")
@@ -262,6 +262,7 @@ def calibrate_command(
 def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu: str,
                tensor_parallel_size: int | None, kv_tokens: int | None, skip_first: int) -> int:
     from carbonforge_runtime.core.twin_data import SimError
+    from carbonforge_runtime.files import write_atomic
     from carbonforge_runtime.offline.sim.calibrate import (
         ModelInfo,
         check_model_text,
@@ -272,7 +273,6 @@ def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu
         provenance,
         read_step_log,
     )
-    from carbonforge_runtime.offline.sim.results import write_atomically
 
     _check_output(output, "--output")
     if output.exists() and step_log.exists() and output.resolve() == step_log.resolve():
@@ -300,7 +300,7 @@ def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu
     def write(handle: Any) -> None:
         handle.write(text)
 
-    write_atomically(output, write)
+    write_atomic(output, write)
     if data.truncated:
         print(f"sim-calibrate: the log has more than {len(data.wall_ms)} steps; the fit uses the first "
               f"{len(data.wall_ms)}", file=sys.stderr)

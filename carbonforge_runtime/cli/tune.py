@@ -211,10 +211,11 @@ def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: in
               "measured_capacity_rps": capacity, "token_scale": token_scale,
               "mooncake_block_tokens": mooncake_block_tokens, "kv_tokens": prepared.twin.kv_tokens}
     document = _document(prepared, trace, goal_name, slos, budget, window, result, patch, len(served))
-    from carbonforge_runtime.offline.sim.results import dump_json, write_atomically
+    from carbonforge_runtime.files import write_atomic
+    from carbonforge_runtime.offline.sim.results import dump_json
 
     written = _write_recipe(write, prepared, document) if write is not None else None
-    write_atomically(output, dump_json(document))
+    write_atomic(output, dump_json(document))
     progress(f"tune: {len(result.candidates)} candidates in {result.rounds} rounds, {time.monotonic() - started:.1f} s")
     print(_report(document, recipe_config, result, goal_name, slos, len(served)))
     print(f"result: {output}")
@@ -307,7 +308,7 @@ def _write_recipe(directory: Path, prepared: Prepared, document: dict[str, Any])
     is written (whole or not at all)."""
     import yaml
 
-    from carbonforge_runtime.offline.sim.results import write_atomically
+    from carbonforge_runtime.files import write_atomic
     from carbonforge_runtime.offline.sim.tune import apply_patch, recipe_file_name
     from carbonforge_runtime.recipes.loader import load_recipe_file
     from carbonforge_runtime.recipes.model import recipe_from_mapping
@@ -345,5 +346,5 @@ def _write_recipe(directory: Path, prepared: Prepared, document: dict[str, Any])
     def dump(handle: Any) -> None:
         handle.write(text)
 
-    write_atomically(path, dump)
+    write_atomic(path, dump)
     return path

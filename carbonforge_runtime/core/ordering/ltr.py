@@ -245,9 +245,10 @@ class LtrModel:
         }
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        """Replace ``path`` with the model, atomically (:func:`~carbonforge_runtime.files.write_atomic`)."""
+        from carbonforge_runtime.files import write_text_atomic
+
+        write_text_atomic(path, json.dumps(self.to_json(), separators=(",", ":")) + "\n")
 
     @classmethod
     def from_json(cls, data: Any, params: LtrParams | None = None, source: str = "model") -> LtrModel:

@@ -236,7 +236,11 @@ def _ordered(rows: Iterable[tuple[float, int, int, str | None, int | None, str |
 
 
 def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
-    """Write trace-shaped records, one JSON object per line."""
-    with path.open("w", encoding="utf-8") as handle:
+    """Replace ``path`` with trace-shaped records, one JSON object per line, atomically."""
+    from carbonforge_runtime.files import write_atomic
+
+    def write(handle: Any) -> None:
         for record in records:
             handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    write_atomic(path, write)

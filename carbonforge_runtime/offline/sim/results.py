@@ -1,6 +1,6 @@
 """The twin's results: ``replay``'s result JSON (the same keys, plus a ``sim`` section) and a
 per-request JSONL in the trace record's shape, which ``trace summarize`` and ``trace plot`` read.
-Pure, except :func:`write_atomically`.
+Pure: the files are written by :func:`carbonforge_runtime.files.write_atomic`.
 
 Times are virtual seconds after the first arrival (in the per-request records, Unix seconds from
 ``origin_s``, 0 by default: the epoch).
@@ -8,12 +8,8 @@ Times are virtual seconds after the first arrival (in the per-request records, U
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, build_record
@@ -143,23 +139,6 @@ def records(run: TwinRun, rejected: Mapping[int, str], family: str, origin_s: fl
             cached_prompt_tokens=o.cached_prompt_tokens, preemptions=o.preemptions, priority_score=o.priority_score,
         ), family=family, level=LEVEL_STANDARD))
     return out
-
-
-def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Write ``path`` through a new file in its directory, renamed over it only once complete: a
-    failure leaves no half-written file (and a link at ``path`` is replaced, never written through)."""
-    directory = path.parent if str(path.parent) else Path(".")
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            write(handle)
-        os.chmod(temp, 0o644)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
 
 
 def dump_json(document: Mapping[str, Any]) -> Callable[[Any], None]:

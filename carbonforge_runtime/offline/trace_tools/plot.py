@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.errors import CarbonForgeError
+from carbonforge_runtime.files import write_atomic
 from carbonforge_runtime.offline.trace_tools.summarize import Percentiles, Summary, WindowStats, fmt_window, utc
 
 #: Figure size in pixels (width, height).
@@ -125,8 +126,8 @@ def render_png(summary: Summary, out: Path, title: str) -> None:
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     try:
-        figure.savefig(out, format="png", dpi=_DPI)
+        write_atomic(out, lambda handle: figure.savefig(handle, format="png", dpi=_DPI), binary=True)
     except OSError as exc:
-        raise CarbonForgeError(f"cannot write {out} ({exc.strerror})", "choose a writable path for -o") from None
+        raise CarbonForgeError(f"cannot write {out} ({exc.strerror or exc})", "choose a writable path for -o") from None
     finally:
         plt.close(figure)

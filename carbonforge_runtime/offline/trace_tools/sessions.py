@@ -424,10 +424,15 @@ def _assign(path: str, records: int, requests: list[_Request], problems: _Proble
 
 
 def write_assignments(result: SessionsResult, out: Path) -> None:
-    with out.open("w", encoding="utf-8") as handle:
+    """Replace ``out`` with one JSON line per request, atomically. Raises OSError."""
+    from carbonforge_runtime.files import write_atomic
+
+    def write(handle: Any) -> None:
         for item in result.assignments:
             handle.write(json.dumps({"request_id": item.request_id, "session_id": item.session_id,
                                      "turn": item.turn, "parent_request_id": item.parent_request_id}) + "\n")
+
+    write_atomic(out, write)
 
 
 def render_text(result: SessionsResult, limit: int) -> str:

@@ -2,15 +2,14 @@
 
 Once the plan is made, the runtime writes ``serve.json`` (host and port, nothing secret) into the
 log directory, so ``docker/healthcheck.py`` probes where the plan serves rather than a fixed port.
-The file is replaced atomically (written beside it, then renamed) and is readable by everyone."""
+The file is replaced atomically (:func:`carbonforge_runtime.files.write_atomic`) and is readable by everyone."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from carbonforge_runtime import files
 
 #: The file's name inside the log directory; ``docker/healthcheck.py`` reads the same name.
 FILE_NAME = "serve.json"
@@ -31,15 +30,5 @@ def record(host: str, port: int) -> dict[str, object]:
 def write(log_dir: Path, host: str, port: int) -> Path:
     """Replace ``log_dir/serve.json`` with ``host`` and ``port`` (mode 0644). Raises OSError."""
     target = log_dir / FILE_NAME
-    fd, temp = tempfile.mkstemp(prefix=".serve-", suffix=".json", dir=log_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            os.fchmod(handle.fileno(), 0o644)
-            json.dump(record(host, port), handle)
-            handle.write("\n")
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    files.write_text_atomic(target, json.dumps(record(host, port)) + "\n", mode=0o644)
     return target

@@ -19,11 +19,9 @@ Nothing here talks to the hub: :func:`~.hub_cache.hub_listing` asks it, and ``fe
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.errors import CarbonForgeError
+from carbonforge_runtime.files import write_text_atomic
 from carbonforge_runtime.runtime.weights.hub_cache import HubEntry, ref_commit, repo_folder
 
 LOCK_DIR = "carbonforge-locks"
@@ -123,22 +122,9 @@ def read_lock(cache_dir: Path, repo: str, commit: str) -> WeightsLock | None:
 
 
 def write_lock(cache_dir: Path, lock: WeightsLock) -> Path:
-    """Replace the lock of ``lock.commit`` atomically (written beside it, then renamed; mode 0644)."""
+    """Replace the lock of ``lock.commit`` atomically (:func:`carbonforge_runtime.files.write_atomic`; mode 0644)."""
     target = lock_path(cache_dir, lock.repo, lock.commit)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=".lock-", suffix=".json", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            os.fchmod(handle.fileno(), 0o644)
-            json.dump(lock.as_dict(), handle, indent=1, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    write_text_atomic(target, json.dumps(lock.as_dict(), indent=1, sort_keys=True) + "\n", mode=0o644)
     return target
 
 
