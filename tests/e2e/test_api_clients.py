@@ -9,8 +9,12 @@ schema (structured output makes the arguments valid for it), thinking by the rec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import psutil
 import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
@@ -225,9 +230,8 @@ def test_the_key_is_in_no_log_trace_or_argument_list(session: Session) -> None:
 
 def test_vllms_own_metrics_stay_open_on_the_api_port(session: Session) -> None:
     """An endpoint picker (the Gateway API Inference Extension's) scrapes vLLM's /metrics on the API port
-    without a key: vLLM's key check covers /v1, /v2, /inference and /cohere only, and the request
-    contract lets every GET it does not guard through. vLLM creates both gauges, one series per engine,
-    when its stat logger starts, so they are there before any request."""
+    without a key: /metrics is one of the request contract's public paths. vLLM creates both gauges,
+    one series per engine, when its stat logger starts, so they are there before any request."""
     page = httpx.get(session.runtime.base_url.removesuffix("/v1") + "/metrics", timeout=30)
     assert page.status_code == 200, page.text[:500]
     assert page.headers["content-type"].startswith("text/plain")
@@ -236,3 +240,162 @@ def test_vllms_own_metrics_stay_open_on_the_api_port(session: Session) -> None:
         assert any(line.startswith(name + "{") for line in page.text.splitlines()), name
     # the key is still required where vLLM guards
     assert httpx.get(session.runtime.base_url + "/models", timeout=30).status_code == 401
+
+
+# ---- closed by default: the key on every route, bodies never read before it ----------------------
+
+
+def test_every_route_but_the_public_ones_refuses_a_request_without_the_key(session: Session) -> None:
+    root = session.runtime.base_url.removesuffix("/v1")
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    spec = httpx.get(f"{root}/openapi.json", headers=keyed, timeout=30)
+    assert spec.status_code == 200
+    routes = [(method.upper(), path.replace("{", "").replace("}", ""))
+              for path, methods in spec.json()["paths"].items() for method in methods]
+    assert ("POST", "/invocations") in routes and ("POST", "/tokenize") in routes
+    assert httpx.get(f"{root}/openapi.json", timeout=30).status_code == 401
+    with httpx.Client(base_url=root, timeout=30) as raw:
+        for method, path in routes:
+            answer = raw.request(method, path, content=b"{}" if method == "POST" else None)
+            if path in ("/health", "/ping", "/metrics"):
+                assert answer.status_code == 200, (method, path, answer.status_code)
+            else:
+                assert answer.status_code == 401, (method, path, answer.status_code)
+                assert answer.json()["error"]["code"] == "missing_api_key", (method, path)
+        # SageMaker's route hands its body to the chat handler: with the key it serves
+        served = raw.post("/invocations", headers=keyed, json={"model": TINY_SERVED_NAME, "messages": ASK,
+                                                               "max_tokens": 2})
+        assert served.status_code == 200 and served.json()["choices"], served.text
+    def no_authorization(request: httpx.Request) -> None:  # the SDK insists on a key: drop the header it makes
+        del request.headers["Authorization"]
+
+    anonymous = openai.OpenAI(base_url=session.runtime.base_url, api_key="unused", max_retries=0, timeout=30,
+                              http_client=httpx.Client(event_hooks={"request": [no_authorization]}))
+    calls = (lambda: anonymous.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=2),
+             lambda: anonymous.completions.create(model=TINY_SERVED_NAME, prompt="hi", max_tokens=2),
+             lambda: anonymous.responses.create(model=TINY_SERVED_NAME, input="hi", max_output_tokens=2),
+             lambda: anonymous.models.list())
+    for call in calls:
+        with pytest.raises(openai.AuthenticationError):
+            call()
+
+
+def test_the_effort_contract_holds_on_invocations_batch_and_responses(session: Session) -> None:
+    root = session.runtime.base_url.removesuffix("/v1")
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    high = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+    cases = (("/invocations", {"model": TINY_SERVED_NAME, "messages": ASK, **high}),
+             ("/v1/chat/completions/batch", {"model": TINY_SERVED_NAME, "messages": [ASK], **high}),
+             ("/v1/responses", {"model": TINY_SERVED_NAME, "input": "hi", "reasoning": {"effort": "high"}}))
+    for path, body in cases:
+        answer = httpx.post(root + path, json=body, headers=keyed, timeout=60)
+        assert answer.status_code == 400, (path, answer.text)
+        assert answer.json()["error"]["message"] == "Unexpected reasoning effort", path
+    answer = httpx.post(root + "/invocations", headers=keyed, timeout=120,
+                        json={"model": TINY_SERVED_NAME, "messages": ASK, "max_tokens": 40})
+    message = answer.json()["choices"][0]["message"]
+    assert message.get("reasoning_content") == message.get("reasoning"), message
+
+
+def _api_server(session: Session) -> psutil.Process:
+    return psutil.Process(session.runtime.engine_pid())
+
+
+class HealthWatch:
+    """Polls /health every 50 ms on its own thread; ``worst_s`` is the slowest answer seen."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.worst_s = 0.0
+        self.failures: list[str] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self.done.is_set():
+                start = time.monotonic()
+                try:
+                    status = client.get(self.root + "/health").status_code
+                except httpx.HTTPError as exc:
+                    self.failures.append(repr(exc))
+                    status = 200
+                self.worst_s = max(self.worst_s, time.monotonic() - start)
+                if status != 200:
+                    self.failures.append(str(status))
+                time.sleep(0.05)
+
+    def __enter__(self) -> HealthWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join(timeout=10)
+
+
+def _send_huge(port: int, path: str, headers: str, chunked: bool, total: int) -> tuple[str, float, int]:
+    """POST ``total`` bytes to ``path`` as fast as the server takes them; (status line, seconds to it,
+    bytes the socket accepted before the answer came)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
+    sent = 0
+    answer: list[bytes] = []
+    start = time.monotonic()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            answer.append(sock.recv(65536))
+
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+                     f"{framing}\r\n\r\n".encode())
+        reader.start()
+        block = b"{" * (1 << 20)
+        piece = (b"%x\r\n" % len(block)) + block + b"\r\n" if chunked else block
+        sock.settimeout(2)
+        while sent < total and reader.is_alive():
+            try:
+                sock.sendall(piece)
+            except (TimeoutError, OSError):
+                break
+            sent += len(block)
+        reader.join(timeout=10)
+        elapsed = time.monotonic() - start
+    finally:
+        sock.close()
+    status = answer[0].split(b"\r\n", 1)[0].decode() if answer and answer[0] else "(no answer)"
+    return status, elapsed, sent
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_256_mib_body_without_the_key_is_refused_unread(session: Session, chunked: bool) -> None:
+    root = session.runtime.base_url.removesuffix("/v1")
+    server = _api_server(session)
+    before = server.memory_info().rss
+    with HealthWatch(root) as health:
+        status, elapsed, sent = _send_huge(session.runtime.port, "/invocations", "", chunked, 256 << 20)
+        time.sleep(0.3)
+    grown = server.memory_info().rss - before
+    print(f"no key, {'chunked' if chunked else 'content-length'}: {status} in {elapsed:.3f} s, {sent >> 20} MiB "
+          f"accepted by the socket, API server RSS {grown / (1 << 20):+.1f} MiB, /health worst {health.worst_s:.3f} s")
+    assert status.startswith("HTTP/1.1 401"), status
+    assert elapsed < 1.0 and grown < 16 << 20
+    assert health.worst_s < 0.2 and not health.failures, (health.worst_s, health.failures)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_with_the_key_gets_413_at_the_limit(session: Session, chunked: bool) -> None:
+    root = session.runtime.base_url.removesuffix("/v1")
+    with HealthWatch(root) as health:
+        status, elapsed, sent = _send_huge(session.runtime.port, "/v1/chat/completions",
+                                           f"Authorization: Bearer {API_KEY}\r\n", chunked, 256 << 20)
+    print(f"key, {'chunked' if chunked else 'content-length'}: {status} in {elapsed:.3f} s after {sent >> 20} MiB, "
+          f"/health worst {health.worst_s:.3f} s")
+    assert status.startswith("HTTP/1.1 413"), status
+    # the default limit is 16 MiB: the answer comes once it is passed (plus what socket buffers hold)
+    assert sent < 48 << 20, sent
+    assert health.worst_s < 0.2 and not health.failures, (health.worst_s, health.failures)
+    # the connection was the only casualty: the server serves on
+    assert session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, max_tokens=2).choices
