@@ -85,6 +85,8 @@ class Verdicts:
                 why = "a host of a multi-host group" if isinstance(exc, GroupHardwareMismatch) else "--strict-hardware"
                 out += [f"hardware:           REFUSED ({why}): a launch would not start",
                         f"                    fix: {exc.remedy}"]
+            elif not isinstance(exc, LicenseError):  # e.g. a group without its secret
+                out += [f"refused:            {exc.message}", f"                    fix: {exc.remedy}"]
         if self.preflight_ran:
             out.append(f"pre-flight:         {_preflight_summary(self.preflight)}")
         if self.refusals:

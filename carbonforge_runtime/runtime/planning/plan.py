@@ -53,7 +53,8 @@ from carbonforge_runtime.settings import Settings
 
 #: Secrets the runtime reads and the engine never needs: kept out of the engine's environment (and so
 #: out of /proc/<pid>/environ of every vLLM process).
-RUNTIME_ONLY_VARIABLES = frozenset({"CARBONFORGE_LICENSE_KEY", "CF_API_KEY", "CF_API_KEY_FILE"})
+RUNTIME_ONLY_VARIABLES = frozenset({"CARBONFORGE_LICENSE_KEY", "CF_API_KEY", "CF_API_KEY_FILE", "CF_GROUP_SECRET",
+                                    "CF_GROUP_SECRET_FILE"})
 #: The variable vLLM's API server reads its key from; set, every /v1 request must carry it.
 ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
 

@@ -38,6 +38,7 @@ from carbonforge_runtime.runtime.doctor.preflight import (
 )
 from carbonforge_runtime.runtime.doctor.probes import weights_lock_on_host, weights_on_host
 from carbonforge_runtime.runtime.group.placement import Group
+from carbonforge_runtime.runtime.group.secret import read_group_secret
 from carbonforge_runtime.runtime.licensing.watch import watch_licence
 from carbonforge_runtime.runtime.planning.command import LaunchPlan
 from carbonforge_runtime.runtime.planning.plan import (
@@ -135,6 +136,13 @@ def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str
         if not options.dry_run:
             raise refusal
         refusals.append(refusal)
+    if group is not None:  # a group's watch port admits only hosts that prove the group secret
+        try:
+            read_group_secret(settings)
+        except CarbonForgeError as exc:
+            if not options.dry_run:
+                raise
+            refusals.append(exc)
     lock = weights_lock_on_host(source.model, source.revision, source.builtin, environ) if present and source else None
     return Prepared(plan, Verdicts(licence=licence, hardware_problems=problems, snapshot=snapshot,
                                    refusals=refusals), lock)
@@ -328,7 +336,7 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     engine_env = plan.engine_env(contract)
     if licence_watch is not None:  # the API server refuses new requests once this file exists
         engine_env[LICENCE_EXPIRED_VARIABLE] = str(licence_watch.expired_file)
-    group = _watch_group(plan.group, log_dir, engine_env, logger)
+    group = _watch_group(plan.group, settings, log_dir, engine_env, logger)
     engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
     what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
     logger.info("starting vLLM for %s; engine log: %s", what, engine.log_path)
@@ -374,21 +382,26 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
 GROUP_DOWN_FILE = "group-down"
 
 
-def _watch_group(group: Group | None, log_dir: Path, engine_env: dict[str, str],
+def _watch_group(group: Group | None, settings: Settings, log_dir: Path, engine_env: dict[str, str],
                  logger: logging.Logger) -> GroupHooks | None:
     """Start watching the other hosts of the group (nothing for a host alone)."""
     if group is None:
         return None
     from carbonforge_runtime.runtime.group import watch as group_watch
 
+    secret = read_group_secret(settings)
     if not group.leader:
         watch = group_watch.WorkerWatch(group.rank, group.nnodes, group.master_addr, group.watch_port,
-                                        group.join_timeout_s, on_join=logger.info).start()
+                                        group.join_timeout_s, secret=secret, on_join=logger.info).start()
         logger.info("group: watching the leader %s:%d", group.master_addr, group.watch_port)
         return group_watch.WorkerHooks(watch)
+    # The port listens where the workers are told to connect, not on every interface.
+    host, why = group_watch.listen_address(group.master_addr, settings.host)
+    if why:
+        logger.warning("group: %s: the watch port listens on CF_HOST (%s) instead", why, host)
     try:
-        leader = group_watch.LeaderWatch(group.nnodes, group.watch_port, group.join_timeout_s,
-                                     on_join=logger.info).start()
+        leader = group_watch.LeaderWatch(group.nnodes, group.watch_port, group.join_timeout_s, secret=secret,
+                                         host=host, on_join=logger.info, log=logger.warning).start()
     except OSError as exc:
         raise CarbonForgeError(
             f"the group's watch port {group.watch_port} cannot be opened ({exc.strerror or exc})",
@@ -398,5 +411,5 @@ def _watch_group(group: Group | None, log_dir: Path, engine_env: dict[str, str],
     with contextlib.suppress(FileNotFoundError):
         down.unlink()  # left by an earlier run
     engine_env[GROUP_DOWN_VARIABLE] = str(down)
-    logger.info("group: watching %d worker(s) on port %d", group.nnodes - 1, group.watch_port)
+    logger.info("group: watching %d worker(s) on %s port %d", group.nnodes - 1, leader.host, group.watch_port)
     return group_watch.LeaderHooks(leader, down)

@@ -37,6 +37,7 @@ CF_WORKER = {"CF_NNODES": "2", "CF_NODE_RANK": "1", "CF_MASTER_ADDR": "10.1.2.3"
 CF_LEADER = {**CF_WORKER, "CF_NODE_RANK": "0"}
 GROUP_FLAGS = "--nnodes 2 --node-rank {rank} --master-addr 10.1.2.3 --master-port 29501"
 RECIPES = load_recipes(recipe_dirs(None))
+GROUP_SECRET = "the group's shared secret, 40 characters"
 
 
 def plan_for(env: dict[str, str], **options: object) -> list[str]:
@@ -45,10 +46,29 @@ def plan_for(env: dict[str, str], **options: object) -> list[str]:
 
 
 def dry_run(env: dict[str, str], capsys: pytest.CaptureFixture[str], **options: object) -> tuple[int, str]:
-    full = {"CF_LOG_DIR": "/nonexistent/logs", **env}
+    full = {"CF_LOG_DIR": "/nonexistent/logs", "CF_GROUP_SECRET": GROUP_SECRET, **env}
     opts = ServeOptions(dry_run=True, skip_preflight=True, **options)  # type: ignore[arg-type]
     code = serve(opts, load_settings(full), full, FakeGpuBackend(host("h100", count=8)))
     return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env", [LWS_WORKER, CF_LEADER], ids=["lws-worker", "cf-leader"])
+def test_a_host_of_a_group_without_the_group_secret_is_refused_naming_the_file_variable(
+        env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = dry_run({**env, "CF_GROUP_SECRET": ""}, capsys, vllm_args=["--model", "org/model"])
+    assert code == 2
+    assert "a group of more than one host needs a group secret" in out and "CF_GROUP_SECRET_FILE" in out
+    _, alone = dry_run({"CF_GROUP_SECRET": ""}, capsys, vllm_args=["--model", "org/model"])
+    assert "group secret" not in alone  # a host alone needs none
+
+
+def test_the_group_secret_never_reaches_the_engine() -> None:
+    env = {**CF_LEADER, "CF_GROUP_SECRET": GROUP_SECRET, "CF_GROUP_SECRET_FILE": "/run/secrets/group",
+           "CF_ENGINE_ENV_PASS": "CF_GROUP_SECRET,CF_GROUP_SECRET_FILE"}
+    plan = build_plan(ServeOptions(context_key=MULTI_KEY), load_settings(env), RECIPES, env)
+    engine_env = plan.launch.engine_env(plan.launch.contract)
+    assert "CF_GROUP_SECRET" not in engine_env and "CF_GROUP_SECRET_FILE" not in engine_env
+    assert GROUP_SECRET not in " ".join([*plan.launch.argv, *engine_env.values()])
 
 
 # ---- where the place comes from ------------------------------------------------------------------
@@ -200,6 +220,7 @@ def test_one_wrong_gpu_is_enough_to_refuse_a_host_of_a_group() -> None:
 @pytest.mark.usefixtures("no_licence_gate")
 @pytest.mark.parametrize("env", [LWS_WORKER, CF_LEADER], ids=["lws-worker", "cf-leader"])
 def test_a_host_of_a_group_on_the_recipes_gpus_passes(env: dict[str, str]) -> None:
+    env = {**env, "CF_GROUP_SECRET": GROUP_SECRET}
     right = FakeGpuBackend(host("h100", count=8))
     prepared = prepare(ServeOptions(context_key=MULTI_KEY), load_settings(env), env, right)
     assert prepared.hardware_problems == [] and prepared.verdicts.refusals == []

@@ -22,6 +22,7 @@ from carbonforge_runtime.runtime.process import supervisor
 from tests.support import free_port
 
 LOG = logging.getLogger("test-group-watch")
+SECRET = b"a test group secret of some length"
 SLEEPER = "import time; time.sleep(600)"
 
 
@@ -43,13 +44,13 @@ def until(condition: Callable[[], object], within_s: float = 5.0) -> float:
 
 @pytest.fixture
 def leader() -> Iterator[LeaderWatch]:
-    watch = LeaderWatch(3, free_port(), join_timeout_s=30, host="127.0.0.1").start()
+    watch = LeaderWatch(3, free_port(), join_timeout_s=30, secret=SECRET, host="127.0.0.1").start()
     yield watch
     watch.close()
 
 
 def join(leader: LeaderWatch, rank: int, nnodes: int = 3) -> WorkerWatch:
-    worker = WorkerWatch(rank, nnodes, "127.0.0.1", leader.port, join_timeout_s=10).start()
+    worker = WorkerWatch(rank, nnodes, "127.0.0.1", leader.port, join_timeout_s=10, secret=SECRET).start()
     until(lambda: worker.joined)
     return worker
 
@@ -65,8 +66,10 @@ def test_workers_join_and_a_healthy_group_has_no_problem(leader: LeaderWatch) ->
 
 def test_each_join_is_told_to_the_log_on_both_sides() -> None:
     said: list[str] = []
-    leader = LeaderWatch(2, free_port(), join_timeout_s=30, host="127.0.0.1", on_join=said.append).start()
-    worker = WorkerWatch(1, 2, "127.0.0.1", leader.port, join_timeout_s=10, on_join=said.append).start()
+    leader = LeaderWatch(2, free_port(), join_timeout_s=30, secret=SECRET, host="127.0.0.1",
+                         on_join=said.append).start()
+    worker = WorkerWatch(1, 2, "127.0.0.1", leader.port, join_timeout_s=10, secret=SECRET,
+                         on_join=said.append).start()
     try:
         until(lambda: len(said) == 2)
         assert sorted(said) == [f"group: joined the leader 127.0.0.1:{leader.port} as rank 1 of 2 hosts",
@@ -87,7 +90,7 @@ def test_a_worker_that_leaves_is_named_by_the_leader(leader: LeaderWatch) -> Non
 
 def test_a_silent_worker_is_gone_after_the_silence_limit(leader: LeaderWatch) -> None:
     raw = socket.create_connection(("127.0.0.1", leader.port))
-    raw.sendall(b"join 1 3\n")  # joins, then never beats (its host vanished)
+    raw_join(raw, 1, 3)  # joins, then never beats (its host vanished)
     until(lambda: leader.joined() == [1])
     until(lambda: leader.problem() is not None, within_s=3)
     assert "worker rank 1 of the group is gone (silent for 1 s)" in str(leader.problem())
@@ -95,7 +98,7 @@ def test_a_silent_worker_is_gone_after_the_silence_limit(leader: LeaderWatch) ->
 
 
 def test_a_rank_that_never_joins_is_named_after_the_join_timeout() -> None:
-    watch = LeaderWatch(3, free_port(), join_timeout_s=0.5, host="127.0.0.1").start()
+    watch = LeaderWatch(3, free_port(), join_timeout_s=0.5, secret=SECRET, host="127.0.0.1").start()
     try:
         join(watch, 1)
         until(lambda: watch.problem() is not None, within_s=3)
@@ -104,12 +107,31 @@ def test_a_rank_that_never_joins_is_named_after_the_join_timeout() -> None:
         watch.close()
 
 
-@pytest.mark.parametrize("hello", [b"join 3 3\n", b"join 1 4\n", b"hello\n", b"join 0 3\n"])
-def test_a_connection_that_is_not_a_worker_of_this_group_is_refused(leader: LeaderWatch, hello: bytes) -> None:
+@pytest.mark.parametrize(("rank", "nnodes"), [(3, 3), (1, 4), (0, 3)])
+def test_a_connection_that_is_not_a_worker_of_this_group_is_refused(leader: LeaderWatch, rank: int,
+                                                                    nnodes: int) -> None:
     with socket.create_connection(("127.0.0.1", leader.port), timeout=5) as raw:
-        raw.sendall(hello)
-        assert raw.recv(64).startswith(b"refused")
+        assert raw_join(raw, rank, nnodes) == "refused rank"
     assert leader.joined() == [] and leader.problem() is None
+
+
+@pytest.mark.parametrize("hello", [b"join 1 3\n", b"hello\n", b"join 1 3 00 00\n"])
+def test_a_connection_that_does_not_speak_the_protocol_is_refused(leader: LeaderWatch, hello: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", leader.port), timeout=5) as raw:
+        raw.recv(128)  # the leader's hello
+        raw.sendall(hello)
+        assert raw.recv(64) == b"refused protocol\n"
+    assert leader.joined() == [] and leader.problem() is None
+
+
+def raw_join(raw: socket.socket, rank: int, nnodes: int, secret: bytes = SECRET) -> str:
+    """What a worker says, from a bare socket: the join with its proof; returns the leader's answer."""
+    hello = raw.recv(128).decode().split()
+    assert hello[:2] == ["hello", group_watch.PROTOCOL]
+    nonce = os.urandom(16)
+    proof = group_watch._proof(secret, b"join", bytes.fromhex(hello[2]), nonce, rank, nnodes)
+    raw.sendall(f"join {rank} {nnodes} {nonce.hex()} {proof}\n".encode())
+    return raw.recv(128).decode().strip()
 
 
 def test_a_leader_that_goes_away_is_a_loss_and_an_orderly_stop_is_not(leader: LeaderWatch) -> None:
@@ -120,7 +142,7 @@ def test_a_leader_that_goes_away_is_a_loss_and_an_orderly_stop_is_not(leader: Le
     loss = WorkerHooks(killed).loss()
     assert loss is not None and not loss.orderly
 
-    again = LeaderWatch(3, free_port(), join_timeout_s=30, host="127.0.0.1").start()
+    again = LeaderWatch(3, free_port(), join_timeout_s=30, secret=SECRET, host="127.0.0.1").start()
     stopped = join(again, 1)
     again.close(farewell=True)
     until(lambda: stopped.leader_gone())
@@ -129,7 +151,7 @@ def test_a_leader_that_goes_away_is_a_loss_and_an_orderly_stop_is_not(leader: Le
 
 
 def test_a_worker_that_cannot_reach_its_leader_says_so_after_the_join_timeout() -> None:
-    worker = WorkerWatch(1, 2, "127.0.0.1", free_port(), join_timeout_s=0.5).start()
+    worker = WorkerWatch(1, 2, "127.0.0.1", free_port(), join_timeout_s=0.5, secret=SECRET).start()
     until(lambda: worker.problem() is not None, within_s=5)
     assert "could not be reached within 0.5 s (CF_JOIN_TIMEOUT_S)" in str(worker.problem())
 
