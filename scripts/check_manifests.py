@@ -16,7 +16,14 @@ Validation, for every rendered document:
   their CRDs, vendored in deploy/schemas/ (README.md there records where each comes from). An object
   schema with properties is closed, as the API server's strict field validation treats it; CEL rules
   (x-kubernetes-validations) are not evaluated, except the one rewritten below for InferencePool;
-- the project's rules that no schema expresses (see ``project_problems``).
+- the project's rules that no schema expresses (see ``project_problems``), the hardened defaults among
+  them (``hardening_problems``: no service account token, a read-only root filesystem with a volume at
+  every path the runtime writes, no capability, CPU and memory bounds, secrets as files only, and a
+  NetworkPolicy for ingress and egress that keeps the metrics port for labelled pods).
+
+And the runtime's service in docker/compose.yaml (``compose_problems``; ``--compose FILE`` for another):
+ports published on the loopback, a read-only image, no capability or privilege escalation, CPU and
+memory limits, secrets as files, and CF_API_KEY_FILE naming one of its secrets.
 
 Every problem is one line: the kustomization, the document's kind/name and the file it comes from,
 the JSON path, the message. Exit status 1 when there is any.
@@ -783,6 +790,8 @@ WRITABLE_PATHS: tuple[tuple[str, str], ...] = (
     ("$CF_LOG_DIR", "vllm.log, runtime.log, serve.json and trace files"),
     ("$CF_COMPILE_CACHE_DIR", "the compile and kernel caches (vLLM, torch Inductor, Triton, FlashInfer, CUDA)"),
     ("$HF_HOME", "the Hugging Face cache: the weights"),
+    ("$HUGGINGFACE_HUB_CACHE", "the Hugging Face hub cache, when moved out of HF_HOME"),
+    ("$CF_TINY_MODEL_DIR", "the built-in tiny model, when moved out of HOME"),
     ("/dev/shm", "shared memory between the engine's processes (PyTorch, NCCL)"),
 )
 #: The resources every container states, as requests and as limits.
