@@ -31,20 +31,26 @@ QWEN3 = ApiContract(reasoning=True, tools=True, thinking_budget={"low": 8, "medi
                     max_request_bytes=4096)
 
 
-@pytest.fixture(scope="module")
-def vllm_app() -> Iterator[Any]:
-    """vLLM's API server app with every task's routes, our middleware outermost, keys required."""
+def build_vllm_app(*extra: str) -> Any:
+    """vLLM's API server app with every task's routes and our middleware outermost, as vLLM builds it
+    for ``vllm serve m --middleware ... EXTRA``; the middleware reads its environment at the first request."""
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.tasks import SupportedTask
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--middleware", MIDDLEWARE, *extra])
+    return build_app(args, supported_tasks=typing.get_args(SupportedTask))
+
+
+@pytest.fixture(scope="module")
+def vllm_app() -> Iterator[Any]:
+    """:func:`build_vllm_app` with keys required."""
     patch = pytest.MonkeyPatch()
     patch.setenv("VLLM_API_KEY", KEY)
     patch.setenv(API_CONTRACT_VARIABLE, QWEN3.to_json())
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--middleware", MIDDLEWARE])
     try:
-        yield build_app(args, supported_tasks=typing.get_args(SupportedTask))
+        yield build_vllm_app()
     finally:
         patch.undo()
 
@@ -146,6 +152,27 @@ def test_every_path_that_reaches_a_chat_completion_or_responses_handler_has_its_
     # every path of the table exists (the pooling routes appear only with a pooling model's config)
     assert set(ROUTES) - app_paths == {"/v1/embeddings"}
     assert {"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses"} <= seen
+
+
+def test_under_a_root_path_vllms_app_still_gets_the_contract(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    down = tmp_path / "group-down"
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    monkeypatch.setenv(API_CONTRACT_VARIABLE, QWEN3.to_json())
+    monkeypatch.setenv(GROUP_DOWN_VARIABLE, str(down))
+    app = build_vllm_app("--root-path", "/api")
+    high = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"reasoning_effort": "high"}}
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for path in ("/api/v1/chat/completions", "/v1/chat/completions", "/api/invocations"):
+                refused = await client.post(path, json=high, headers={"Authorization": f"Bearer {KEY}"})
+                assert refused.status_code == 400, (path, refused.text)
+                assert refused.json()["error"]["message"] == MSG_BAD_EFFORT, path
+                assert (await client.post(path, json=high)).status_code == 401, path
+            down.touch()
+            assert (await client.get("/api/health")).status_code == 503
+    asyncio.run(go())
 
 
 # ---- the middleware through raw ASGI messages ----------------------------------------------------
