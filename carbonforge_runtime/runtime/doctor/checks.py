@@ -381,7 +381,7 @@ def license_checks(facts: DoctorFacts) -> list[Check]:
     if lic is None:
         return []
     recipe = facts.recipe.recipe if facts.recipe else None
-    premium = recipe is not None and recipe.is_premium
+    premium = recipe is not None and (recipe.is_premium if lic.premium is None else lic.premium)
     bad = FAIL if premium else WARN
     origin = ("CARBONFORGE_LICENSE_KEY" if lic.origin == "CARBONFORGE_LICENSE_KEY"
               else f"the licence file {lic.origin}" if lic.origin else "the licence")

@@ -96,6 +96,9 @@ class LicenseFacts:
     entitled: bool | None = None
     #: Unreadable because the licence file named by CF_LICENSE_FILE does not exist.
     missing: bool = False
+    #: Whether the recipe asked for needs a licence as the gate decides it (shipped recipes only:
+    #: a local recipe serving a premium model does); None: decided by the recipe's own plan.
+    premium: bool | None = None
 
 
 @dataclass(frozen=True)

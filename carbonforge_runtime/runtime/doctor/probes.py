@@ -101,24 +101,27 @@ class SystemProbes:
         except ImportError as exc:  # a broken install, reported rather than hidden
             return LicenseFacts("unknown", message=f"the licensing module cannot be loaded ({exc})",
                                 remedy="reinstall the runtime (the container image ships it)")
+        from carbonforge_runtime.runtime.licensing.gate import entitled_owners, recipe_owners
+
+        owners = recipe_owners(recipe) if recipe is not None else []
+        premium = bool(owners)
         source = licensing.read_license(settings)
         if source.problem:
             remedy = licensing.missing_file_remedy(source.origin or "") if source.missing else ""
             return LicenseFacts("unreadable", origin=source.origin, message=source.problem, remedy=remedy,
-                                missing=source.missing)
+                                missing=source.missing, premium=premium)
         if source.text is None:
-            return LicenseFacts("none")
+            return LicenseFacts("none", premium=premium)
         keys = self.public_keys if self.public_keys is not None else licensing.public_keys()
         try:
             claims = licensing.verify(source.text, keys, now)
         except licensing.LicenseInvalid as exc:
             return LicenseFacts("invalid", origin=source.origin, message=exc.message, remedy=exc.remedy,
-                                reason=exc.reason)
-        entitled = None
-        if recipe is not None and recipe.is_premium:
-            entitled = licensing.entitles(claims, recipe.key_text, recipe.model.repo)
+                                reason=exc.reason, premium=premium)
+        entitled = bool(entitled_owners(claims, owners)) if owners else None
         return LicenseFacts("valid", origin=source.origin, licence_id=claims.licence_id,
-                            licensee=claims.licensee, expires_at=claims.expires_at, entitled=entitled)
+                            licensee=claims.licensee, expires_at=claims.expires_at, entitled=entitled,
+                            premium=premium)
 
     def otel(self) -> OtelFacts:
         version = None

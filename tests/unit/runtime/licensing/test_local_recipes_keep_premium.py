@@ -194,3 +194,24 @@ def test_the_premium_status_of_every_shipped_recipe_is_its_own() -> None:
     for recipe in shipped:
         assert recipe_owners(recipe) == ([recipe] if recipe.is_premium else []), recipe.key_text
     assert load_recipes([shipped_recipes_dir()]).keys() == {recipe.key_text for recipe in shipped}
+
+
+# --- the doctor agrees with the gate ---------------------------------------------------------------
+
+def test_the_doctor_fails_a_local_free_copy_without_a_licence(tmp_path: Path) -> None:
+    from carbonforge_runtime.runtime.doctor.probes import SystemProbes
+    from carbonforge_runtime.settings import load_settings
+
+    recipes = local_recipe(tmp_path / "recipes")
+    copy = load_recipes([shipped_recipes_dir(), recipes])[SHIPPED_KEY]
+    assert copy.plan == "free"
+    env = {"CF_LICENSE_FILE": str(tmp_path / "none.key")}
+    facts = SystemProbes().license(load_settings(env), copy, time.time())
+    assert facts.state == "unreadable" and facts.missing and facts.premium is True
+    result = run_cli(["doctor", "--context-key", SHIPPED_KEY], recipes)
+    line = next(line for line in result.output.splitlines() if "license.key does not exist" in line)
+    assert line.strip().startswith("FAIL"), result.output  # a WARN for a free recipe
+    mine = local_recipe(tmp_path / "mine", key="mine:fp8:coding:h100x4", plan="premium")
+    granted = SystemProbes().license(load_settings({**env, "CARBONFORGE_LICENSE_KEY": licence("mine:*:*:*")}),
+                                     load_recipes([mine])["mine:fp8:coding:h100x4"], time.time())
+    assert (granted.state, granted.entitled) == ("valid", False)
