@@ -54,14 +54,16 @@ def tune_command(
     output: Path = typer.Option(Path("tune-result.json"), "--output", "-o",
                                 help="Where to write every candidate's figures (JSON)."),
     write: Path | None = typer.Option(None, "--write", help="Write the tuned recipe into this directory (serve it "
-                                      "with CF_RECIPES_DIR=DIR)."),
+                                      "with CF_RECIPES_DIR=DIR); refused if another recipe there has its key."),
+    force: bool = typer.Option(False, "--force", help="With --write: replace the recipe file of the same name "
+                               "if one is there."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
 ) -> None:
     """Search the ordering and scheduling knobs of a recipe on the twin for a goal, and print a recipe patch."""
     options: dict[str, Any] = dict(
         trace=trace, context_key=context_key, goal=goal, slo=slo, budget=budget, jobs=jobs, rate=rate, load=load,
         token_scale=token_scale, start=start, limit=limit, cost_model=cost_model, kv_tokens=kv_tokens,
-        mooncake_block_tokens=mooncake_block_tokens, output=output, write=write, quiet=quiet)
+        mooncake_block_tokens=mooncake_block_tokens, output=output, write=write, force=force, quiet=quiet)
     code = run_guarded(lambda: _run(**options))
     raise typer.Exit(code)
 
@@ -140,23 +142,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_paths(output: Path, write: Path | None) -> None:
+def _check_paths(output: Path, write: Path | None, context_key: str, force: bool) -> None:
+    """Refuse, before the search, outputs that could not be written (checked again when writing)."""
     from carbonforge_runtime.core.twin_data import SimError
-    from carbonforge_runtime.recipes.loader import shipped_recipes_dir
+    from carbonforge_runtime.errors import ContextKeyError
+    from carbonforge_runtime.offline.sim.recipe_out import check_destination
+    from carbonforge_runtime.recipes.keys import parse_context_key
 
     if output.is_dir():
         raise SimError(f"--output {output} is a directory", "pass --output FILE.json")
     if write is not None:
-        if write.exists() and not write.is_dir():
-            raise SimError(f"--write {write} is not a directory", "pass --write DIR (created if missing)")
-        if write.exists() and write.resolve() == shipped_recipes_dir().resolve():
-            raise SimError(f"--write {write} is the shipped recipes directory",
-                           "write the tuned recipe to a directory of your own and serve it with CF_RECIPES_DIR")
+        try:
+            key_text = str(parse_context_key(context_key))
+        except ContextKeyError:
+            return  # the recipe's resolution names the problem
+        check_destination(write, key_text, force)
 
 
 def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: int, jobs: int | None, rate: float,
          load: float | None, token_scale: float, start: int, limit: int | None, cost_model: str | None,
-         kv_tokens: int | None, mooncake_block_tokens: int, output: Path, write: Path | None, quiet: bool) -> int:
+         kv_tokens: int | None, mooncake_block_tokens: int, output: Path, write: Path | None, force: bool,
+         quiet: bool) -> int:
     from carbonforge_runtime.core.twin_data import SimError
     from carbonforge_runtime.offline.sim.setup import at_load, prepare
     from carbonforge_runtime.offline.sim.tune import Config, build_patch, parse_goal, parse_slos, search
@@ -172,7 +178,7 @@ def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: in
     workers = jobs if jobs is not None else (os.cpu_count() or 1)
     if workers < 1 or workers > 256:
         raise SimError(f"jobs {workers} is out of range", "pass --jobs N with 1 <= N <= 256")
-    _check_paths(output, write)
+    _check_paths(output, write, context_key, force)
     prepared = prepare(twin_inputs(trace=trace, context_key=context_key, start=start, limit=limit, rate=rate,
                                    token_scale=token_scale, load=load, cost_model=cost_model, kv_tokens=kv_tokens,
                                    mooncake_block_tokens=mooncake_block_tokens))
@@ -214,7 +220,7 @@ def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: in
     from carbonforge_runtime.files import write_atomic
     from carbonforge_runtime.offline.sim.results import dump_json
 
-    written = _write_recipe(write, prepared, document) if write is not None else None
+    written = _write_recipe(write, prepared, document, force) if write is not None else None
     write_atomic(output, dump_json(document))
     progress(f"tune: {len(result.candidates)} candidates in {result.rounds} rounds, {time.monotonic() - started:.1f} s")
     print(_report(document, recipe_config, result, goal_name, slos, len(served)))
@@ -303,12 +309,13 @@ def _report(document: dict[str, Any], recipe: Config, result: SearchResult, goal
     return "\n".join(lines)
 
 
-def _write_recipe(directory: Path, prepared: Prepared, document: dict[str, Any]) -> Path:
+def _write_recipe(directory: Path, prepared: Prepared, document: dict[str, Any], force: bool) -> Path:
     """The recipe with the patch applied and the prediction recorded, checked by the loader before it
-    is written (whole or not at all)."""
+    is written (whole or not at all), and the directory loaded as serve would load it afterwards
+    (:func:`~carbonforge_runtime.offline.sim.recipe_out.place_recipe`)."""
     import yaml
 
-    from carbonforge_runtime.files import write_atomic
+    from carbonforge_runtime.offline.sim.recipe_out import place_recipe
     from carbonforge_runtime.offline.sim.tune import apply_patch, recipe_file_name
     from carbonforge_runtime.recipes.loader import load_recipe_file
     from carbonforge_runtime.recipes.model import recipe_from_mapping
@@ -342,9 +349,4 @@ def _write_recipe(directory: Path, prepared: Prepared, document: dict[str, Any])
             + yaml.safe_dump(patched, sort_keys=False, allow_unicode=True))
     path = directory / recipe_file_name(prepared.recipe.key_text)
     recipe_from_mapping(yaml.safe_load(text), path)  # the loader's own checks, before anything is written
-
-    def dump(handle: Any) -> None:
-        handle.write(text)
-
-    write_atomic(path, dump)
-    return path
+    return place_recipe(directory, prepared.recipe.key_text, text, force)
