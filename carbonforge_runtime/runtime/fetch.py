@@ -24,6 +24,7 @@ from carbonforge_runtime.runtime.doctor.preflight import check_fetch_licence
 from carbonforge_runtime.runtime.engine_env.compile_cache import IMAGE_DIR as COMPILE_CACHE_DIR
 from carbonforge_runtime.runtime.engine_env.compile_cache import VOLUME_NAME as COMPILE_CACHE_VOLUME
 from carbonforge_runtime.runtime.engine_env.privacy import hub_offline_choice, is_offline
+from carbonforge_runtime.runtime.licensing.gate import premium_owners, recipe_owners
 from carbonforge_runtime.runtime.planning.command import DEFAULT_OVERRIDE_DRAIN_S
 from carbonforge_runtime.runtime.process.drain import stop_timeout_s
 from carbonforge_runtime.runtime.weights.hub_cache import (
@@ -136,6 +137,13 @@ def mount_args(cache_dir: Path, source: str) -> list[str]:
     return ["-v", f"{cache_dir}:{IMAGE_HUB}"]
 
 
+def _needs_licence(target: FetchTarget) -> bool:
+    """Whether serving ``target`` needs a licence, as the gate decides it (shipped premium recipes only)."""
+    if target.recipe is not None:
+        return bool(recipe_owners(target.recipe))
+    return bool(premium_owners(target.repo, {}))
+
+
 def docker_run_line(target: FetchTarget, cache_dir: Path, source: str) -> str:
     """The exact command that serves ``target`` from this cache with no network."""
     args = ["docker", "run", "-d", "--name", "carbonforge"]
@@ -149,7 +157,7 @@ def docker_run_line(target: FetchTarget, cache_dir: Path, source: str) -> str:
     if recipe is not None:
         args += ["-e", f"CF_CONTEXT_KEY={recipe.key_text}"]
     args += ["-e", "HF_HUB_OFFLINE=1"]
-    if recipe is not None and recipe.is_premium:
+    if _needs_licence(target):
         args += ["-e", "CARBONFORGE_LICENSE_KEY"]  # the value comes from the caller's environment
     args += [*mount_args(cache_dir, source), "-v", "carbonforge-logs:/var/log/carbonforge",
              "-v", f"{COMPILE_CACHE_VOLUME}:{COMPILE_CACHE_DIR}", IMAGE]

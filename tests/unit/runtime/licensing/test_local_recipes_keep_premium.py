@@ -215,3 +215,13 @@ def test_the_doctor_fails_a_local_free_copy_without_a_licence(tmp_path: Path) ->
     granted = SystemProbes().license(load_settings({**env, "CARBONFORGE_LICENSE_KEY": licence("mine:*:*:*")}),
                                      load_recipes([mine])["mine:fp8:coding:h100x4"], time.time())
     assert (granted.state, granted.entitled) == ("valid", False)
+
+
+def test_the_docker_line_fetch_prints_passes_the_licence_for_a_premium_model(tmp_path: Path) -> None:
+    from carbonforge_runtime.runtime.fetch import FetchTarget, docker_run_line
+
+    copy = load_recipes([shipped_recipes_dir(), local_recipe(tmp_path / "recipes")])[SHIPPED_KEY]
+    cache = tmp_path / "hub"
+    for target in (FetchTarget(PREMIUM, None, copy), FetchTarget(PREMIUM, None)):
+        assert "-e CARBONFORGE_LICENSE_KEY " in docker_run_line(target, cache, "--to")
+    assert "CARBONFORGE_LICENSE_KEY" not in docker_run_line(FetchTarget("Qwen/Qwen3-32B-FP8", None), cache, "--to")
