@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,9 +54,14 @@ VLLM_ARGS = ["--", str(tiny_model_dir()), "--served-model-name", "tiny", "--dtyp
 
 
 def group_members(tmp_path: Path, join_timeout_s: int = 240) -> tuple[RuntimeProcess, RuntimeProcess]:
-    """A leader (tracing to ``leader/trace.jsonl``) and a worker, not yet started."""
+    """A leader (tracing to ``leader/trace.jsonl``) and a worker, not yet started, sharing the group
+    secret through a file."""
+    secret = tmp_path / "group-secret"
+    secret.write_text(os.urandom(24).hex() + "\n")
+    secret.chmod(0o600)
     group = {"CF_NNODES": "2", "CF_MASTER_ADDR": "127.0.0.1", "CF_MASTER_PORT": str(free_port()),
              "CF_GROUP_PORT": str(free_port()), "CF_JOIN_TIMEOUT_S": str(join_timeout_s),
+             "CF_GROUP_SECRET_FILE": str(secret),
              # two "hosts" on one machine: both reach each other on loopback, each binds its own core
              "VLLM_HOST_IP": "127.0.0.1"}
     trace = tmp_path / "leader" / "trace.jsonl"
@@ -64,6 +70,19 @@ def group_members(tmp_path: Path, join_timeout_s: int = 240) -> tuple[RuntimePro
     worker = RuntimeProcess(VLLM_ARGS, tmp_path / "worker",
                             env={**group, "CF_NODE_RANK": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"})
     return leader, worker
+
+
+def forge_the_group_port(port: int) -> None:
+    """What anyone who reaches the leader's watch port may try without the group secret."""
+    attempts = [b"join 1 2\n", b"bye\n", b"join 1 2 " + b"00" * 16 + b" " + b"11" * 32 + b"\n", b"x" * 100_000]
+    for attempt in attempts:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            assert raw.recv(128).startswith(b"hello ")  # the leader's challenge
+            try:
+                raw.sendall(attempt)
+                raw.recv(128)  # "refused ...", or the leader hangs up
+            except OSError:
+                pass
 
 
 def start_group(tmp_path: Path) -> tuple[RuntimeProcess, RuntimeProcess]:
@@ -112,6 +131,16 @@ def test_a_leader_and_a_headless_worker_serve_one_model_across_two_hosts_until_t
         assert wait_until(lambda: worker.says("group: joined the leader 127.0.0.1"), 60), worker.output()
         assert wait_until(lambda: leader.says("group: worker rank 1 joined (1 of 1 worker(s))"), 10), leader.output()
         assert health(leader.port) == 200
+
+        # Without the group secret, the watch port changes nothing: a forged join of rank 1 (the old
+        # way to take its place and, by hanging up, stop the group), a bye, and a line too long.
+        forge_the_group_port(int(leader.env["CF_GROUP_PORT"]))
+        time.sleep(2)  # beats keep flowing; the leader would have noticed a loss by now
+        assert health(leader.port) == 200
+        assert leader.proc.poll() is None and worker.proc.poll() is None  # type: ignore[union-attr]
+        assert "joined again" not in leader.output() and "is gone" not in leader.output()
+        assert leader.says("group: refused a connection from 127.0.0.1"), leader.output()[-3000:]
+
         os.kill(worker.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]  # its engine dies with it
         killed_at = time.monotonic()
         statuses: set[int | None] = set()
