@@ -328,18 +328,10 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
 
         logger.info("preparing the built-in model %s in %s", plan.recipe.model.builtin, plan.model)
         ensure_tiny_model(Path(plan.model))
-    from carbonforge_runtime.runtime.serve.observability import start_observability
+    from carbonforge_runtime.runtime.serve.observability import Observability, start_observability
 
-    # Metrics, GPU monitor and energy controller (None when the run needs none of them).
-    observe = start_observability(prepared, options, settings, environ, logger, stop)
-    contract = observe.engine_contract(plan.contract) if observe is not None else plan.contract
-    engine_env = plan.engine_env(contract)
-    if licence_watch is not None:  # the API server refuses new requests once this file exists
-        engine_env[LICENCE_EXPIRED_VARIABLE] = str(licence_watch.expired_file)
-    group = _watch_group(plan.group, settings, log_dir, engine_env, logger)
-    engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
-    what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
-    logger.info("starting vLLM for %s; engine log: %s", what, engine.log_path)
+    observe: Observability | None = None
+    group: GroupHooks | None = None
     ready_host = "127.0.0.1" if plan.host in ("0.0.0.0", "::", "") else plan.host
 
     def on_ready() -> None:
@@ -352,7 +344,17 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
         if observe is not None:
             observe.engine_ready()
 
-    try:
+    try:  # from the first thing started on, the finally below stops whatever was started
+        # Metrics, GPU monitor and energy controller (None when the run needs none of them).
+        observe = start_observability(prepared, options, settings, environ, logger, stop)
+        contract = observe.engine_contract(plan.contract) if observe is not None else plan.contract
+        engine_env = plan.engine_env(contract)
+        if licence_watch is not None:  # the API server refuses new requests once this file exists
+            engine_env[LICENCE_EXPIRED_VARIABLE] = str(licence_watch.expired_file)
+        group = _watch_group(plan.group, settings, log_dir, engine_env, logger)
+        engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
+        what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
+        logger.info("starting vLLM for %s; engine log: %s", what, engine.log_path)
         if licence_watch is not None:  # checks every minute until the finally below
             licence_watch.start()
         report = supervisor.supervise(
