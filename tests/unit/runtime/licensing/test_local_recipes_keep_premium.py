@@ -225,3 +225,29 @@ def test_the_docker_line_fetch_prints_passes_the_licence_for_a_premium_model(tmp
     for target in (FetchTarget(PREMIUM, None, copy), FetchTarget(PREMIUM, None)):
         assert "-e CARBONFORGE_LICENSE_KEY " in docker_run_line(target, cache, "--to")
     assert "CARBONFORGE_LICENSE_KEY" not in docker_run_line(FetchTarget("Qwen/Qwen3-32B-FP8", None), cache, "--to")
+
+
+def test_the_shape_table_is_checked_against_cached_configs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from carbonforge_runtime.runtime.licensing.premium import premium_shapes
+
+    script = Path(__file__).resolve().parents[4] / "scripts" / "premium_shapes.py"
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen3-Coder-Next-FP8" / "snapshots" / ("b" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("b" * 40)
+    shape = premium_shapes()[PREMIUM.lower()]
+    assert shape is not None
+
+    def check(config: dict[str, object]) -> subprocess.CompletedProcess[str]:
+        (snapshot / "config.json").write_text(json.dumps(config))
+        return subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True,
+                              timeout=60, check=False, env={**os.environ, "HF_HUB_CACHE": str(cache)})
+
+    agrees = check({"model_type": "qwen3_next", **shape})
+    assert agrees.returncode == 0, agrees.stdout + agrees.stderr
+    differs = check({**shape, "num_hidden_layers": 47})
+    assert differs.returncode == 1 and f"{PREMIUM}: the table says" in differs.stdout
