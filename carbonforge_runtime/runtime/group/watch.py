@@ -292,6 +292,7 @@ class LeaderWatch:
                 self._accepting = False
                 self._resume_at = now + self._backoff
                 return
+            sock.setblocking(False)  # nothing on this thread waits on a peer
             self._backoff = 0.0
             peer = _address(address)
             if len(self._greeters) >= MAX_GREETERS:
@@ -301,7 +302,6 @@ class LeaderWatch:
                     sock.send(b"busy\n")  # a worker tries again
                 _close(sock)
                 continue
-            sock.setblocking(False)
             conn = _Conn(sock, peer, now)
             self._greeters.add(conn)
             self._selector.register(sock, selectors.EVENT_READ, conn)
@@ -501,6 +501,8 @@ class WorkerWatch:
         self._sock: socket.socket | None = None
         self._key = b""
         self._reader = LineReader()
+        #: Lines read with the greeting that came in the same packets (the leader's first beats).
+        self._early: list[bytes] = []
         self._problem: str | None = None
         self._welcomed = threading.Event()
         self._stopping = False
@@ -571,9 +573,9 @@ class WorkerWatch:
     def _join(self, sock: socket.socket) -> str | None:
         """The greeting: None once welcomed (the problem is set when the leader refused this worker for
         good), else what went wrong, for another try."""
-        reader = LineReader()
+        reader, early = LineReader(), list[bytes]()
         hello_by = time.monotonic() + HELLO_S
-        words = _next_line(sock, reader, hello_by)
+        words = _next_line(sock, reader, hello_by, early)
         if words is None:
             return f"no greeting within {HELLO_S:g} s"
         if words == ["busy"]:
@@ -590,7 +592,7 @@ class WorkerWatch:
         proof = _proof(self._secret, b"join", leader_nonce, nonce, self.rank, self.nnodes)
         sock.settimeout(max(0.1, hello_by - time.monotonic()))
         sock.sendall(f"join {self.rank} {self.nnodes} {nonce.hex()} {proof}\n".encode("ascii"))
-        words = _next_line(sock, reader, hello_by)
+        words = _next_line(sock, reader, hello_by, early)
         if words is None:
             return f"no answer to the join within {HELLO_S:g} s"
         if words[:1] == ["refused"]:
@@ -604,7 +606,7 @@ class WorkerWatch:
                              "host of the group has the same one (CF_GROUP_SECRET_FILE)")
             return "refused"
         self._key = _session_key(self._secret, leader_nonce, nonce)
-        self._reader = reader
+        self._reader, self._early = reader, early
         self._welcomed.set()
         if self.on_join is not None:
             self.on_join(f"group: joined the leader {self.where} as rank {self.rank} of {self.nnodes} hosts")
@@ -616,7 +618,17 @@ class WorkerWatch:
         seq_in = seq_out = 0
         heard = next_beat = time.monotonic()
         reason = ""
+        pending: list[bytes] | None = self._early
         while not self._stopping:
+            for line in pending or []:
+                word = _opened(key, _FROM_LEADER, seq_in, line)
+                if word is None:
+                    continue  # not the leader's: changes nothing
+                seq_in += 1
+                heard = time.monotonic()
+                if word == "bye":
+                    self.farewell = True
+            pending = []
             now = time.monotonic()
             if now - heard > SILENCE_S:
                 reason = f"silent for {SILENCE_S:g} s"
@@ -641,18 +653,10 @@ class WorkerWatch:
             if not data:
                 reason = "connection closed"
                 break
-            lines = reader.feed(data)
-            if lines is None:
+            pending = reader.feed(data)
+            if pending is None:
                 reason = f"sent a line over {MAX_LINE} bytes"
                 break
-            for line in lines:
-                word = _opened(key, _FROM_LEADER, seq_in, line)
-                if word is None:
-                    continue  # not the leader's: changes nothing
-                seq_in += 1
-                heard = time.monotonic()
-                if word == "bye":
-                    self.farewell = True
         _close(sock)
         if reason and not self._stopping and self._problem is None:
             self._problem = f"the group's leader {self.where} is gone ({reason})"
@@ -673,9 +677,9 @@ _REFUSALS = {
 }
 
 
-def _next_line(sock: socket.socket, reader: LineReader, deadline: float) -> list[str] | None:
-    """The words of the next line, by ``deadline`` (a monotonic time), or None."""
-    pending: list[bytes] = []
+def _next_line(sock: socket.socket, reader: LineReader, deadline: float, pending: list[bytes]) -> list[str] | None:
+    """The words of the next line, by ``deadline`` (a monotonic time), or None. Lines that came with it
+    stay in ``pending``, first in line for the next call."""
     while not pending:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -690,9 +694,8 @@ def _next_line(sock: socket.socket, reader: LineReader, deadline: float) -> list
         lines = reader.feed(data)
         if lines is None:
             return None
-        pending = lines
-    # the greeting is answered before the peer says more, so a second line here is not expected
-    return pending[0].decode("ascii", "replace").split()
+        pending += lines
+    return pending.pop(0).decode("ascii", "replace").split()
 
 
 # --- what the supervisor asks of a host of a group ---------------------------------------------------

@@ -398,3 +398,59 @@ def test_the_secret_is_read_from_its_file_and_refused_when_short_or_unreadable(t
 
 def test_out_of_resources_errors_are_the_ones_that_pause_the_accepts() -> None:
     assert {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS} == group_watch._OUT_OF_RESOURCES
+
+
+def serve_one_worker(script: Callable[[socket.socket, bytes, bytes], None]) -> tuple[int, threading.Thread]:
+    """A leader played by hand on a bare socket: greets one worker, checks its join, runs ``script``
+    with the connection, the leader's nonce and the worker's."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = server.accept()
+        server.close()
+        with conn:
+            nonce = os.urandom(16)
+            conn.sendall(f"hello {group_watch.PROTOCOL} {nonce.hex()}\n".encode())
+            words = conn.makefile("rb").readline(512).decode().split()
+            worker_nonce = bytes.fromhex(words[3])
+            assert words[4] == group_watch._proof(SECRET, b"join", nonce, worker_nonce, int(words[1]), int(words[2]))
+            script(conn, nonce, worker_nonce)
+            time.sleep(1.0)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return int(server.getsockname()[1]), thread
+
+
+def test_the_leaders_first_lines_in_the_same_packet_as_its_welcome_are_not_lost(quick: None) -> None:
+    def welcome_beat_and_bye_at_once(conn: socket.socket, nonce: bytes, worker_nonce: bytes) -> None:
+        key = group_watch._session_key(SECRET, nonce, worker_nonce)
+        welcome = group_watch._proof(SECRET, b"welcome", nonce, worker_nonce, 1, 2)
+        conn.sendall(f"welcome {welcome}\n".encode() + group_watch._sealed(key, b"leader", 0, "beat")
+                     + group_watch._sealed(key, b"leader", 1, "bye"))
+
+    port, leader = serve_one_worker(welcome_beat_and_bye_at_once)
+    worker = WorkerWatch(1, 2, "127.0.0.1", port, join_timeout_s=10, secret=SECRET).start()
+    until(lambda: worker.farewell)
+    assert worker.joined
+    worker.close()
+    leader.join(5)
+
+
+def test_a_worker_ignores_leader_lines_without_the_sessions_mac_or_out_of_order(quick: None) -> None:
+    def forged_and_replayed_byes(conn: socket.socket, nonce: bytes, worker_nonce: bytes) -> None:
+        key = group_watch._session_key(SECRET, nonce, worker_nonce)
+        other = group_watch._session_key(SECRET, os.urandom(16), worker_nonce)  # another connection's key
+        welcome = group_watch._proof(SECRET, b"welcome", nonce, worker_nonce, 1, 2)
+        conn.sendall(f"welcome {welcome}\n".encode() + b"bye\n" + group_watch._sealed(other, b"leader", 0, "bye")
+                     + group_watch._sealed(key, b"worker", 0, "bye")  # the worker's own direction
+                     + group_watch._sealed(key, b"leader", 5, "bye")  # out of order
+                     + group_watch._sealed(key, b"leader", 0, "beat") + group_watch._sealed(key, b"leader", 0, "bye"))
+
+    port, leader = serve_one_worker(forged_and_replayed_byes)
+    worker = WorkerWatch(1, 2, "127.0.0.1", port, join_timeout_s=10, secret=SECRET).start()
+    until(lambda: worker.joined)
+    time.sleep(0.5)
+    assert not worker.farewell and worker.problem() is None  # a replayed beat's number was used already
+    worker.close()
+    leader.join(5)
