@@ -81,3 +81,5 @@ def test_fetch_then_serve_offline_from_the_default_cache(recipes: Path, tmp_path
     # The double is gone: an engine that asked the hub for anything would fail to start.
     logs = _serve_and_ask(recipes, tmp_path / "logs", {"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint})
     assert "ready: OpenAI API" in logs
+    # Checked against the lock fetch wrote (sizes and times) before vLLM started.
+    assert f"weights of {FETCH_REPO} at commit {commit} match their lock (6 files" in logs
