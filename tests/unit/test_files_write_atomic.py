@@ -90,11 +90,18 @@ ALLOWED = {
 }
 
 
+#: Modules whose ``open`` takes the path first, as the built-in one does.
+_MODULES = ("io", "gzip", "bz2", "lzma", "codecs", "builtins")
+
+
 def _mode(call: ast.Call) -> str | None:
     for keyword in call.keywords:
         if keyword.arg == "mode" and isinstance(keyword.value, ast.Constant) and isinstance(keyword.value.value, str):
             return keyword.value.value
-    positional = 1 if isinstance(call.func, ast.Name) or getattr(call.func, "attr", "") == "fdopen" else 0
+    func = call.func
+    owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+    # open(path, mode), os.fdopen(fd, mode), gzip.open(path, mode)...; but a_path.open(mode)
+    positional = 1 if isinstance(func, ast.Name) or getattr(func, "attr", "") == "fdopen" or owner in _MODULES else 0
     if len(call.args) > positional:
         value = call.args[positional]
         if isinstance(value, ast.Constant) and isinstance(value.value, str):
@@ -114,6 +121,8 @@ def _write_kind(call: ast.Call, source: str) -> str | None:
         return name
     if owner == "os" and name in ("replace", "rename"):
         return f"os.{name}"
+    if owner == "shutil" and name in ("copy", "copy2", "copyfile", "move"):
+        return f"shutil.{name}"
     if owner == "os" and name == "open" and any(flag in (ast.get_source_segment(source, call) or "")
                                                 for flag in ("O_CREAT", "O_WRONLY", "O_RDWR", "O_TRUNC")):
         return "os.open for writing"
@@ -158,8 +167,13 @@ def test_the_allow_list_names_only_functions_that_still_write() -> None:
 
 def test_the_search_finds_the_writes_it_looks_for() -> None:
     source = ("def f(p, fd):\n    open(p, 'w')\n    p.write_text('x')\n    os.replace(p, p)\n"
-              "    os.open(p, os.O_WRONLY | os.O_CREAT)\n    fig.savefig(p)\n"
-              "    open(p)\n    write_atomic(p, lambda h: fig.savefig(h))\n")
+              "    os.open(p, os.O_WRONLY | os.O_CREAT)\n    fig.savefig(p)\n    gzip.open(p, 'wt')\n"
+              "    p.open('a')\n    shutil.copy(p, p)\n    open(p)\n    p.open()\n    gzip.open(p)\n")
     calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)]
     kinds = [kind for call in calls if (kind := _write_kind(call, source)) is not None]
-    assert kinds[:5] == ["open('w')", "write_text", "os.replace", "os.open for writing", "savefig"]
+    assert kinds == ["open('w')", "write_text", "os.replace", "os.open for writing", "savefig", "open('wt')",
+                     "open('a')", "shutil.copy"]
+    inside = "def g(p):\n    write_atomic(p, lambda h: fig.savefig(h))\n    fig.savefig(p)\n"
+    found: list[tuple[str, str, str, int]] = []
+    _visit(ast.parse(inside), inside, "m.py", [], False, found)
+    assert found == [("m.py", "g", "savefig", 3)]  # the plot saved into the writer's handle is the writer's
