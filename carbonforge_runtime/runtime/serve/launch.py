@@ -54,7 +54,13 @@ from carbonforge_runtime.runtime.process.supervisor import GroupHooks
 from carbonforge_runtime.runtime.serve import address as serve_address
 from carbonforge_runtime.runtime.serve.api_key import read_api_key
 from carbonforge_runtime.runtime.weights.hub_cache import hub_cache_dir
-from carbonforge_runtime.runtime.weights.lock import NO_LOCK, LockCheck, fetch_command, mismatch_error
+from carbonforge_runtime.runtime.weights.lock import (
+    NO_LOCK,
+    LockCheck,
+    WeightsMismatch,
+    fetch_command,
+    mismatch_error,
+)
 from carbonforge_runtime.settings import Settings
 
 if TYPE_CHECKING:
@@ -144,27 +150,31 @@ def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str
                 raise
             refusals.append(exc)
     lock = weights_lock_on_host(source.model, source.revision, source.builtin, environ) if present and source else None
+    weights_refusal = check_weights_lock(lock, plan, cflog.get_logger())
+    if weights_refusal is not None:
+        if not options.dry_run:
+            raise weights_refusal
+        refusals.append(weights_refusal)
     return Prepared(plan, Verdicts(licence=licence, hardware_problems=problems, snapshot=snapshot,
                                    refusals=refusals), lock)
 
 
-def check_weights_lock(prepared: Prepared, logger: logging.Logger) -> None:
-    """Serve start: the cached weights against their lock, a stat per file. A mismatch refuses the
-    launch naming the file; weights without a lock are served with one warning."""
-    check = prepared.weights_lock
+def check_weights_lock(check: LockCheck | None, plan: ServePlan, logger: logging.Logger) -> WeightsMismatch | None:
+    """The cached weights against their lock, a stat per file, before anything starts: the refusal
+    naming the first file that changed; weights without a lock get one warning and are served."""
     if check is None:
-        return
-    plan = prepared.plan
+        return None
     what = plan.recipe.key_text if plan.recipe else check.repo + (f"@{check.revision}" if check.revision else "")
     if check.status == NO_LOCK:
         logger.warning("weights of %s at %s have no lock (they were not put there by `carbonforge-runtime fetch`): "
                        "served without verification; run `%s` to verify them against the hub and record one",
                        check.repo, check.commit[:12], fetch_command(what))
-        return
+        return None
     if not check.ok:
-        raise mismatch_error(check, fetch_command(what))
+        return mismatch_error(check, fetch_command(what))
     logger.info("weights of %s at commit %s match their lock (%d files, sizes and times; `doctor --deep` "
                 "compares every sha256)", check.repo, check.commit, check.files)
+    return None
 
 
 def describe_prepared(prepared: Prepared, options: ServeOptions, environ: Mapping[str, str]) -> str:
@@ -306,7 +316,6 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
     if stop.set:  # a stop signal while the launch was prepared: start nothing
         logger.info("stop signal received during preparation: vLLM is not started")
         return 0
-    check_weights_lock(prepared, logger)
     log_dir = _log_dir(settings)
     try:
         runtime_log.open(log_dir)

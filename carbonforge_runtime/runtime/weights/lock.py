@@ -281,12 +281,16 @@ def fetch_command(what: str) -> str:
     return f"carbonforge-runtime fetch {what}" if ":" in what else f"carbonforge-runtime fetch --model {what}"
 
 
-def mismatch_error(check: LockCheck, fetch: str) -> CarbonForgeError:
+class WeightsMismatch(CarbonForgeError):
+    """Cached weights that no longer match the lock fetch wrote: the launch is refused."""
+
+
+def mismatch_error(check: LockCheck, fetch: str) -> WeightsMismatch:
     """The refusal for weights that no longer match their lock (or whose lock cannot be read): one line
     naming the first file, and the fetch that checks them against the hub again."""
     first = check.problems[0] if check.problems else "the lock does not match"
     more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
-    return CarbonForgeError(
+    return WeightsMismatch(
         f"the weights of {check.repo} at {check.commit[:12]} do not match the lock fetch wrote: {first}{more}",
         f"run `{fetch}` again where the hub is reachable (it compares every file with the hub and names the "
         "one to delete), or carry a freshly fetched cache over",

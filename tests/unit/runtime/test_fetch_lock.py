@@ -197,7 +197,8 @@ def test_serve_start_refuses_weights_whose_size_or_time_changed(hub: HubDouble, 
         with open(blob, "ab") as handle:
             handle.write(b" ")
         why = f"tokenizer.json is {size + 1} bytes, the lock says {size}"
-    served = run_runtime(["--context-key", FETCH_KEY], _offline(recipes, tmp_path, cache))
+    env = _offline(recipes, tmp_path, cache)
+    served = run_runtime(["--context-key", FETCH_KEY], env)
     assert served.returncode == 1, served.stdout + served.stderr
     commit = hub.repos[FETCH_REPO].commit
     assert (f"error: the weights of {FETCH_REPO} at {commit[:12]} do not match the lock fetch wrote: {why}"
@@ -205,6 +206,8 @@ def test_serve_start_refuses_weights_whose_size_or_time_changed(hub: HubDouble, 
     assert f"fix: run `carbonforge-runtime fetch {FETCH_KEY}` again" in served.stderr
     assert "Traceback" not in served.stderr
     assert not (tmp_path / "logs" / "vllm.log").exists()  # vLLM was never started
+    dry = run_runtime(["--context-key", FETCH_KEY, "--dry-run"], env)  # says so, and exits as the launch would
+    assert dry.returncode == 1 and why in dry.stdout and "a launch would be refused (exit 1)" in dry.stdout, dry.stdout
 
 
 def test_offline_fetch_records_new_times_when_the_content_still_matches(hub: HubDouble, recipes: Path,
