@@ -249,3 +249,25 @@ def test_weights_without_a_lock_are_served_with_one_warning(hub: HubDouble, reci
     assert output.count("have no lock") == 1, output
     assert f"weights of {FETCH_REPO} at {commit[:12]} have no lock" in output
     assert "log directory" in served.stderr and served.returncode == 1
+
+
+def test_fetch_again_compares_a_changed_file_with_the_hub_and_keeps_it(hub: HubDouble, recipes: Path,
+                                                                       tmp_path: Path) -> None:
+    """A file changed in the cache after the lock is not downloaded again by huggingface_hub (it is
+    there): fetch hashes it, finds it differs from the hub's listing, and names it instead of locking it."""
+    cache, snapshot = _fetched(hub, recipes, tmp_path)
+    blob = (snapshot / "tokenizer_config.json").resolve()
+    data = bytearray(blob.read_bytes())
+    data[0] ^= 0x20
+    blob.write_bytes(bytes(data))
+    lock_before = _lock_file(cache, FETCH_REPO, hub.repos[FETCH_REPO].commit).read_bytes()
+    done = run_runtime(["fetch", FETCH_KEY, "--to", str(cache)], _env(hub, recipes, tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the downloaded tokenizer_config.json" in done.stderr and "Git blob id" in done.stderr
+    assert f"fix: delete {blob} and run fetch again" in done.stderr
+    assert blob.read_bytes() == bytes(data)
+    assert _lock_file(cache, FETCH_REPO, hub.repos[FETCH_REPO].commit).read_bytes() == lock_before
+    blob.unlink()  # the fix: the next fetch downloads it again and matches the hub
+    again = run_runtime(["fetch", FETCH_KEY, "--to", str(cache)], _env(hub, recipes, tmp_path))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "every file matches the hub's listing" in again.stdout
