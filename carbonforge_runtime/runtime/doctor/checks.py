@@ -746,6 +746,11 @@ def group_checks(facts: DoctorFacts) -> list[Check]:
     if group.problem:
         return [Check(GROUP, "group.role", FAIL, group.problem, group.remedy)]
     checks = [Check(GROUP, "group.role", OK, group.role)]
+    if group.hosts > 1:
+        checks.append(Check(GROUP, "group.secret", FAIL, group.secret_problem, group.secret_remedy)
+                      if group.secret_problem else
+                      Check(GROUP, "group.secret", OK, "the group secret is set (the watch port admits only hosts "
+                                                       "that prove it)"))
     if group.reach == "open":
         checks.append(Check(GROUP, "group.leader", OK, f"the leader {group.leader} accepts connections"))
     elif group.reach == "refused":
@@ -865,6 +870,10 @@ CHECKS: tuple[CheckInfo, ...] = (
     CheckInfo("group.role", GROUP, "this host's place in a multi-host group (leader or worker, rank, leader address), "
               "from `CF_NNODES`, `CF_NODE_RANK`, `CF_MASTER_ADDR` or LeaderWorkerSet's `LWS_*` variables",
               "the variables do not add up: a rank outside the group, no leader address (FAIL)"),
+    CheckInfo("group.secret", GROUP, "the group secret (`CF_GROUP_SECRET_FILE` or `CF_GROUP_SECRET`) that the "
+              "leader's watch port asks of every host, on a host of a group of more than one",
+              "none is set, the file cannot be read, or it is shorter than 16 characters: the host would not "
+              "start (FAIL)"),
     CheckInfo("group.leader", GROUP, "on a worker, a TCP connection to the leader's `CF_GROUP_PORT`",
               "the leader cannot be reached: no route, a name that does not resolve, a firewall (WARN)"),
 )

@@ -36,6 +36,7 @@ from carbonforge_runtime.runtime.doctor.probes import SystemProbes
 from carbonforge_runtime.runtime.engine_env.compile_cache import ROOT_VARIABLE, cache_location, resolve_root
 from carbonforge_runtime.runtime.engine_env.privacy import WATCHED_VARIABLES
 from carbonforge_runtime.runtime.group.placement import GROUP_VARIABLES, resolve_group
+from carbonforge_runtime.runtime.group.secret import read_group_secret
 from carbonforge_runtime.runtime.planning.command import LaunchPlan, build_recipe_plan, engine_args
 from carbonforge_runtime.runtime.vllm_cli.args import read
 from carbonforge_runtime.runtime.weights.hub_cache import hub_cache_dir
@@ -275,13 +276,20 @@ def group_facts(settings: Settings, probes: Probes) -> GroupFacts | None:
         return GroupFacts(problem=exc.message, remedy=exc.remedy)
     if group is None:
         return GroupFacts(role="serves alone (a group of one host)", hosts=1)
+    try:  # read, never shown
+        read_group_secret(settings)
+        secret_problem = secret_remedy = ""
+    except CarbonForgeError as exc:
+        secret_problem, secret_remedy = exc.message, exc.remedy
     if group.leader:
-        return GroupFacts(role=group.describe(), hosts=group.nnodes)
+        return GroupFacts(role=group.describe(), hosts=group.nnodes, secret_problem=secret_problem,
+                          secret_remedy=secret_remedy)
     # The leader's runtime opens its watch port as soon as it starts (vLLM's ports come later).
     reach, detail = _guarded(lambda: probes.leader(group.master_addr, group.watch_port),
                              lambda exc: ("unreachable", _unexpected(exc)))
     return GroupFacts(group.describe(), leader=f"{group.master_addr}:{group.watch_port}", reach=reach,
-                      reach_detail=detail, hosts=group.nnodes)
+                      reach_detail=detail, hosts=group.nnodes, secret_problem=secret_problem,
+                      secret_remedy=secret_remedy)
 
 
 

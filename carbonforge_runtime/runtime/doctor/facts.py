@@ -194,6 +194,9 @@ class GroupFacts:
     reach_detail: str = ""
     #: The group's size when the place adds up (0 otherwise, 1 for a host alone).
     hosts: int = 0
+    #: Why the group secret cannot be used (none given, unreadable, too short), and the fix; "" when it can.
+    secret_problem: str = ""
+    secret_remedy: str = ""
 
 
 @dataclass(frozen=True)

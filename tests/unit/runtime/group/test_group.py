@@ -317,6 +317,19 @@ def test_the_doctor_reports_the_role_and_the_leader() -> None:
     assert bad["group.role"][0] == "FAIL" and "outside the group" in bad["group.role"][1]
 
 
+def test_the_doctor_fails_a_host_of_a_group_without_a_usable_secret_and_never_shows_it(tmp_path: Path) -> None:
+    missing = doctor_lines(LWS_WORKER, FixedProbes())
+    assert missing["group.secret"][0] == "FAIL" and "needs a group secret" in missing["group.secret"][1]
+    assert "CF_GROUP_SECRET_FILE" in missing["group.secret"][1]
+    short = tmp_path / "group.secret"
+    short.write_text("too-short\n")
+    assert "shorter than 16" in doctor_lines({**LWS_LEADER, "CF_GROUP_SECRET_FILE": str(short)},
+                                             FixedProbes())["group.secret"][1]
+    given = doctor_lines({**LWS_LEADER, "CF_GROUP_SECRET": GROUP_SECRET}, FixedProbes())
+    assert given["group.secret"][0] == "OK" and GROUP_SECRET not in str(given)
+    assert "group.secret" not in doctor_lines({"CF_NNODES": "1"}, FixedProbes())
+
+
 def test_the_leader_probe_tells_open_from_refused() -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
