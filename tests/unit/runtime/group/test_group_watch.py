@@ -247,3 +247,15 @@ def test_the_group_down_marker_is_never_written_through_a_planted_link(tmp_path:
     plain = tmp_path / "plain-down"
     LeaderHooks(None, plain).on_loss(supervisor.GroupLoss("worker 1 left"))  # type: ignore[arg-type]
     assert plain.is_file()
+
+
+def test_lines_without_the_sessions_mac_do_not_keep_a_worker_alive(leader: LeaderWatch) -> None:
+    raw = socket.create_connection(("127.0.0.1", leader.port))
+    assert raw_join(raw, 1, 3).startswith("welcome ")
+    started = time.monotonic()
+    forged = [b"beat\n", b"beat 0 " + b"0" * 32 + b"\n", group_watch._sealed(os.urandom(32), b"worker", 0, "beat")]
+    while leader.problem() is None and time.monotonic() - started < 5:
+        raw.sendall(forged[int(time.monotonic() * 10) % len(forged)])  # beats a stranger could make
+        time.sleep(0.05)
+    assert "worker rank 1 of the group is gone (silent for 1 s)" in str(leader.problem())
+    raw.close()
