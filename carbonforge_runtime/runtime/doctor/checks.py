@@ -57,7 +57,7 @@ from carbonforge_runtime.runtime.engine_env.privacy import (
 )
 from carbonforge_runtime.runtime.group.placement import hardware_remedy
 from carbonforge_runtime.runtime.weights.hub_cache import format_bytes, missing_summary
-from carbonforge_runtime.runtime.weights.lock import NO_LOCK, LockCheck
+from carbonforge_runtime.runtime.weights.lock import NO_LOCK, LockCheck, mismatch_error
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -608,9 +608,7 @@ def _weights_lock(lock: LockCheck, fetch: str) -> Check:
         more = f" (and {len(lock.problems) - 1} more)" if len(lock.problems) > 1 else ""
         first = lock.problems[0] if lock.problems else "the lock does not match"
         return Check(STORAGE, "storage.weights_lock", FAIL, f"the weights of {at} do not match their lock: "
-                     f"{first}{more}; serving refuses to start",
-                     f"run `{fetch}` again where the hub is reachable (it names the file to delete), or carry a "
-                     "freshly fetched cache over")
+                     f"{first}{more}; serving refuses to start", mismatch_error(lock, fetch).remedy)
     if lock.deep:
         touched = (f"; {len(lock.touched)} file(s) have new modification times, which serving refuses: run `{fetch}` "
                    "with HF_HUB_OFFLINE=1 to record them") if lock.touched else ""

@@ -40,6 +40,7 @@ CHUNK = 1 << 20
 MAX_LOCK_BYTES = 4 << 20
 
 OK, NO_LOCK, MISMATCH, UNREADABLE = "ok", "no-lock", "mismatch", "unreadable"
+TIME_CHANGED = "(its modification time changed)"
 
 
 # --- the lock's content -------------------------------------------------------------------------
@@ -223,7 +224,7 @@ def _file_problem(snapshot: Path, locked: LockedFile, deep: bool) -> tuple[str |
             return f"{locked.path} has sha256 {got[:16]}…, the lock says {locked.sha256[:16]}…", False
         return None, info.st_mtime_ns != locked.mtime_ns
     if info.st_mtime_ns != locked.mtime_ns:
-        return f"{locked.path} was modified after fetch verified it (its modification time changed)", False
+        return f"{locked.path} was modified after fetch verified it {TIME_CHANGED}", False
     return None, False
 
 
@@ -290,11 +291,14 @@ def mismatch_error(check: LockCheck, fetch: str) -> WeightsMismatch:
     naming the first file, and the fetch that checks them against the hub again."""
     first = check.problems[0] if check.problems else "the lock does not match"
     more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
+    fix = (f"run `{fetch}` again where the hub is reachable (it compares every file with the hub and names the "
+           "one to delete), or carry a freshly fetched cache over")
+    if check.problems and all(problem.endswith(TIME_CHANGED) for problem in check.problems):
+        fix = (f"if the cache was copied without its files' times, run `{fetch}` with HF_HUB_OFFLINE=1 here: it "
+               "hashes every file against the lock and records the new times when the content is intact; "
+               "otherwise " + fix)
     return WeightsMismatch(
-        f"the weights of {check.repo} at {check.commit[:12]} do not match the lock fetch wrote: {first}{more}",
-        f"run `{fetch}` again where the hub is reachable (it compares every file with the hub and names the "
-        "one to delete), or carry a freshly fetched cache over",
-    )
+        f"the weights of {check.repo} at {check.commit[:12]} do not match the lock fetch wrote: {first}{more}", fix)
 
 
 # --- what fetch records -------------------------------------------------------------------------

@@ -203,7 +203,10 @@ def test_serve_start_refuses_weights_whose_size_or_time_changed(hub: HubDouble, 
     commit = hub.repos[FETCH_REPO].commit
     assert (f"error: the weights of {FETCH_REPO} at {commit[:12]} do not match the lock fetch wrote: {why}"
             in served.stderr), served.stderr
-    assert f"fix: run `carbonforge-runtime fetch {FETCH_KEY}` again" in served.stderr
+    fix = next(line for line in served.stderr.splitlines() if line.startswith("  fix: "))
+    assert f"run `carbonforge-runtime fetch {FETCH_KEY}` again where the hub is reachable" in fix
+    # Only a time changed: the cache may have been copied without times, which fetch offline re-records.
+    assert ("with HF_HUB_OFFLINE=1 here" in fix) == (change == "time"), fix
     assert "Traceback" not in served.stderr
     assert not (tmp_path / "logs" / "vllm.log").exists()  # vLLM was never started
     dry = run_runtime(["--context-key", FETCH_KEY, "--dry-run"], env)  # says so, and exits as the launch would
