@@ -5,6 +5,7 @@ messages where a test must see what was read."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import typing
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -40,7 +41,13 @@ def build_vllm_app(*extra: str) -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--middleware", MIDDLEWARE, *extra])
-    return build_app(args, supported_tasks=typing.get_args(SupportedTask))
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        return build_app(args, supported_tasks=typing.get_args(SupportedTask))
+    finally:  # SageMaker's bootstrap raises the root logger's level: later tests' log captures need it back
+        root.setLevel(level)
+        root.handlers[:] = handlers
 
 
 @pytest.fixture(scope="module")
