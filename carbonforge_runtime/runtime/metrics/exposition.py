@@ -56,6 +56,8 @@ METRICS: tuple[MetricSpec, ...] = (
                ("version", "vllm_version", "context_key", "recipe")),
     MetricSpec("licence", "info", "The plan this deployment is served under", ("plan",)),
     MetricSpec("licence_expiry_timestamp_seconds", "gauge", "When the licence expires (Unix time)"),
+    MetricSpec("engine_max_num_seqs", "gauge", "Most requests the engine runs at once (vLLM's --max-num-seqs "
+               "as planned; absent when the recipe leaves it to vLLM's default)"),
     MetricSpec("request_queue_wait_seconds", "histogram", "Arrival to first scheduling of each completed request",
                _FAMILY),
     MetricSpec("request_time_to_first_token_seconds", "histogram", "Arrival to first output token of each "
@@ -135,6 +137,8 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         yield licence
         if snap.info.licence_expires_at is not None:
             yield _family("licence_expiry_timestamp_seconds", value=snap.info.licence_expires_at)
+        if snap.info.max_num_seqs is not None:
+            yield _family("engine_max_num_seqs", value=float(snap.info.max_num_seqs))
 
     # -- requests (from the engine, per completed request) --
     fams = snap.families

@@ -71,6 +71,8 @@ class Info:
     recipe: str
     licence_plan: str
     licence_expires_at: float | None
+    #: vLLM's --max-num-seqs on the planned command line (None: vLLM's own default applies).
+    max_num_seqs: int | None = None
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ class Observability:
             # Premium whenever a licence was needed (a local recipe serving a premium model says free).
             licence_plan="premium" if licence is not None else (recipe.plan if recipe else "free"),
             licence_expires_at=float(licence.expires_at) if licence is not None else None,
+            max_num_seqs=_max_num_seqs(plan.argv),
         )
 
     def _open_gpus(self) -> None:
@@ -327,3 +328,15 @@ def start_observability(prepared: Any, options: Any, settings: Any, environ: Map
     if stop is not None:
         obs.restore_on(stop)
     return obs
+
+
+def _max_num_seqs(argv: list[str]) -> int | None:
+    """vLLM's ``--max-num-seqs`` as the planned command line sets it (the last one wins), if it does."""
+    from carbonforge_runtime.runtime.planning.command import engine_args
+    from carbonforge_runtime.runtime.vllm_cli.args import read
+
+    value = read(engine_args(argv)).value("--max-num-seqs")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

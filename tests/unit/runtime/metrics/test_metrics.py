@@ -71,7 +71,7 @@ def sample(family: str = "fcfs", reason: str = "stop", ttft: float | None = 0.05
 def populated_state() -> RuntimeState:
     state = RuntimeState()
     state.info = Info("0.2.0", "0.32.0", "qwen3-32b:fp8:chat:a100-80x1", "qwen3-32b--fp8--chat--a100-80x1",
-                      "premium", 1_900_000_000.0)
+                      "premium", 1_900_000_000.0, max_num_seqs=16)
     state.on_records([sample() for _ in range(5)] + [sample("ltr-promptlen", "length", ttft=None, e2e=12.0)] * 2
                      + [sample(reason="abort", ttft=None, energy=None)])
     state.on_engine_state(EngineState(EngineCounters(steps=40, waiting=2, running=3, tokens_scheduled_total=900,
@@ -122,6 +122,7 @@ def test_exposition_passes_promtool_and_carries_every_family() -> None:
     assert info == {"version": "0.2.0", "vllm_version": "0.32.0", "context_key": "qwen3-32b:fp8:chat:a100-80x1",
                     "recipe": "qwen3-32b--fp8--chat--a100-80x1"}
     assert found["carbonforge_licence_info"][0][0] == {"plan": "premium"}
+    assert total(found, "carbonforge_engine_max_num_seqs") == 16  # the ceiling of the running batch
     for name in found:  # the conventions promtool does not check: one prefix, counters end in _total
         assert name.startswith("carbonforge_")
 
@@ -131,6 +132,26 @@ def test_an_empty_runtime_exposes_a_clean_page() -> None:
     text = exposition(make_registry(RuntimeState().snapshot))
     assert promtool_check(text).returncode == 0
     assert total(values(text), "carbonforge_requests_total") == 0
+    assert "carbonforge_engine_max_num_seqs" not in values(text)
+
+
+def test_the_max_num_seqs_gauge_follows_the_planned_command_line() -> None:
+    from carbonforge_runtime.recipes import load_recipes, recipe_dirs
+    from carbonforge_runtime.runtime.planning.plan import ServeOptions, build_plan
+    from carbonforge_runtime.runtime.serve.observability import _max_num_seqs
+    from carbonforge_runtime.settings import load_settings
+    from tests.support import TINY_KEY
+
+    shipped = load_recipes(recipe_dirs(None))
+    settings = load_settings({})
+    recipe_value = shipped[TINY_KEY].vllm.get("max_num_seqs")
+    plan = build_plan(ServeOptions(context_key=TINY_KEY), settings, shipped, {}).launch
+    assert _max_num_seqs(plan.argv) == recipe_value
+    # a flag after -- comes last on vLLM's command line and wins, so the gauge shows it
+    plan = build_plan(ServeOptions(context_key=TINY_KEY, vllm_args=["--max-num-seqs", "7"]), settings, shipped,
+                      {}).launch
+    assert _max_num_seqs(plan.argv) == 7
+    assert _max_num_seqs(["vllm", "serve", "m"]) is None
 
 
 # ---- the feed ------------------------------------------------------------------------------------------
