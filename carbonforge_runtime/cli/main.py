@@ -22,6 +22,7 @@ from carbonforge_runtime.cli.fetch import FETCH_EPILOG, fetch_command
 from carbonforge_runtime.cli.ltr import ltr_app
 from carbonforge_runtime.cli.replay import replay_command
 from carbonforge_runtime.cli.sim import calibrate_command, pin_hash_seed, sim_command
+from carbonforge_runtime.cli.top import TOP_EPILOG, top_command
 from carbonforge_runtime.cli.trace import trace_app
 from carbonforge_runtime.cli.tune import tune_command
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
@@ -101,6 +102,7 @@ app.command("sim")(sim_command)
 app.command("sim-calibrate")(calibrate_command)
 app.command("tune")(tune_command)
 app.command("fetch", epilog=FETCH_EPILOG)(fetch_command)
+app.command("top", epilog=TOP_EPILOG)(top_command)
 app.add_typer(trace_app, name="trace")
 from carbonforge_runtime.cli.license import license_app  # noqa: E402
 
@@ -301,7 +303,7 @@ def _dispatch(args: list[str], environ: dict[str, str] | os._Environ[str]) -> li
         return ["serve", "--context-key", key] if key else ["doctor"]
     if environ.get("CF_CONTEXT_KEY", "").strip():
         first = args[0]
-        if first not in ("doctor", "fetch", "recipes", "license", "--help", "-h", "--version", "-V"):
+        if first not in ("doctor", "fetch", "recipes", "license", "top", "--help", "-h", "--version", "-V"):
             logger.info("CF_CONTEXT_KEY is ignored because a command was given; pass --context-key to serve a recipe")
     first = args[0]
     # A command registered without an explicit name is named after its function (as typer does it).
