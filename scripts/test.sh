@@ -22,6 +22,8 @@ echo "== import contracts"
 .venv/bin/python scripts/import_graph.py --modules
 echo "== docs"
 .venv/bin/python scripts/gen_docs.py --check
+echo "== dashboards"
+.venv/bin/python scripts/gen_dashboards.py --check
 echo "== manifests"
 .venv/bin/python scripts/check_manifests.py
 echo "== hadolint"
