@@ -12,14 +12,18 @@ Validation, for every rendered document:
 - Kubernetes kinds (Deployment, Service, PersistentVolumeClaim, ...) against the strict JSON schemas
   that the PyPI package kubernetes-validate ships for Kubernetes KUBERNETES_VERSION (unknown fields
   are errors, as with `kubectl apply --validate=strict`);
-- custom resources (LeaderWorkerSet, InferencePool, ServiceMonitor, PodMonitor) against the openAPIV3Schema of
-  their CRDs, vendored in deploy/schemas/ (README.md there records where each comes from). An object
-  schema with properties is closed, as the API server's strict field validation treats it; CEL rules
-  (x-kubernetes-validations) are not evaluated, except the one rewritten below for InferencePool;
+- custom resources (LeaderWorkerSet, InferencePool, ServiceMonitor, PodMonitor, ScaledObject) against
+  the openAPIV3Schema of their CRDs, vendored in deploy/schemas/ (README.md there records where each
+  comes from). An object schema with properties is closed, as the API server's strict field
+  validation treats it; CEL rules (x-kubernetes-validations) are not evaluated, except the one
+  rewritten below for InferencePool;
 - the project's rules that no schema expresses (see ``project_problems``), the hardened defaults among
   them (``hardening_problems``: no service account token, a read-only root filesystem with a volume at
   every path the runtime writes, no capability, CPU and memory bounds, secrets as files only, and a
   NetworkPolicy for ingress and egress that keeps the metrics port for labelled pods).
+- a KEDA ScaledObject (``_scaled_object_problems``): it targets a Deployment of the same rendering,
+  keeps one replica unless annotated for scale-to-zero, has a ceiling, and its prometheus triggers
+  query series that vLLM or the runtime exports, scoped to the namespace and a Service.
 
 And the runtime's service in docker/compose.yaml (``compose_problems``; ``--compose FILE`` for another):
 ports published on the loopback, a read-only image, no capability or privilege escalation, CPU and
@@ -132,9 +136,10 @@ def _short(text: str, limit: int = 240) -> str:
 
 
 def discover(deploy: Path) -> list[Path]:
-    """Every directory under ``deploy`` with a kustomization file, bases and overlays alike."""
+    """Every directory under ``deploy`` with a kustomization file, bases and overlays alike; not
+    components (kind Component), which are checked as part of the overlays that include them."""
     found = {path.parent for name in KUSTOMIZATION_FILES for path in deploy.rglob(name)}
-    return sorted(found)
+    return sorted(path for path in found if _kustomization(path).get("kind") != "Component")
 
 
 def kubectl() -> str:
@@ -1047,12 +1052,126 @@ def project_problems(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any
         "NetworkPolicy": lambda doc: _network_policy_problems(doc, pods),
         "InferencePool": lambda doc: _inference_pool_problems(doc, pods),
         "Deployment": _deployment_problems,
+        "ScaledObject": lambda doc: _scaled_object_problems(doc, docs),
     }
     for doc in docs:
         rule = rules.get(str(doc.get("kind")))
         if rule is not None:
             for path, message in rule(doc):
                 yield doc, path, message
+
+
+# ---- autoscaling (KEDA ScaledObject) ------------------------------------------------------------------
+
+#: Set to "true" on a ScaledObject to allow minReplicaCount 0 (docs/kubernetes.md, "Autoscaling").
+SCALE_TO_ZERO_ANNOTATION = "carbonforge.io/scale-to-zero"
+#: The trigger types the project's autoscaling uses: Prometheus queries of the engine's own series.
+TRIGGER_TYPES = ("prometheus",)
+#: vLLM 0.32's series a trigger may name (vllm/v1/metrics/loggers.py): gauges of the engine's load,
+#: and the counters and histograms of its queue and latency, as Prometheus stores them.
+VLLM_SERIES = frozenset({
+    "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total", "vllm:request_success_total", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    *(f"vllm:{family}_{suffix}" for family in ("request_queue_time_seconds", "time_to_first_token_seconds",
+                                               "e2e_request_latency_seconds", "inter_token_latency_seconds")
+      for suffix in ("bucket", "sum", "count")),
+})
+#: PromQL words that look like names but are not series.
+_PROMQL_WORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+                           "unless", "offset", "inf", "nan"})
+_PROMQL_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+_PROMQL_MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*\"((?:[^\"\\]|\\.)*)\"")
+
+
+def runtime_series() -> frozenset[str]:
+    """The runtime's own series as Prometheus stores them (a histogram as _bucket, _sum, _count)."""
+    from carbonforge_runtime.runtime.metrics.exposition import METRICS
+
+    names: set[str] = set()
+    for spec in METRICS:
+        if spec.kind == "histogram":
+            names.update(f"{spec.exposed_name}_{suffix}" for suffix in ("bucket", "sum", "count"))
+        else:
+            names.add(spec.exposed_name)
+    return frozenset(names)
+
+
+def promql_series(query: str) -> tuple[list[str], list[dict[str, str]]]:
+    """(the series names, the label matchers of each selector) of a PromQL query, read simply:
+    strings, ranges and groupings are set aside, and a name followed by "(" is a function."""
+    selectors = [dict((name, value) for name, op, value in _PROMQL_MATCHER.findall(body) if op == "=")
+                 for body in re.findall(r"\{([^}]*)\}", query)]
+    text = re.sub(r"\{[^}]*\}", " ", query)
+    text = re.sub(r"\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|\[[^\]]*\]", " ", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = [match.group() for match in _PROMQL_NAME.finditer(text)
+             if not text[match.end():].lstrip().startswith("(") and match.group().lower() not in _PROMQL_WORDS
+             and not re.fullmatch(r"\d.*", match.group())]
+    return names, selectors
+
+
+def _scaled_object_problems(doc: dict[str, Any], docs: list[dict[str, Any]]) -> Iterator[tuple[list[Any], str]]:
+    spec = doc.get("spec") or {}
+    meta = doc.get("metadata") or {}
+    namespace = meta.get("namespace")
+    target = spec.get("scaleTargetRef") or {}
+    deployments = {str((d.get("metadata") or {}).get("name")) for d in docs if d.get("kind") == "Deployment"}
+    if target.get("kind", "Deployment") != "Deployment" or target.get("apiVersion", "apps/v1") != "apps/v1":
+        yield ["spec", "scaleTargetRef"], (f"targets {target.get('apiVersion', 'apps/v1')} "
+                                           f"{target.get('kind')}: scale the runtime's Deployment (apps/v1)")
+    elif target.get("name") not in deployments:
+        yield ["spec", "scaleTargetRef", "name"], (f"{target.get('name')!r} is no Deployment of this kustomization"
+                                                   f" ({', '.join(sorted(deployments)) or 'none'})")
+    zero_allowed = str((meta.get("annotations") or {}).get(SCALE_TO_ZERO_ANNOTATION, "")).lower() == "true"
+    for field in ("minReplicaCount", "idleReplicaCount"):
+        value = spec.get(field, 0 if field == "minReplicaCount" else None)
+        if value is not None and value < 1 and not zero_allowed:
+            yield ["spec", field], (f"is {value}{' (KEDA default)' if field not in spec else ''}: the deployment "
+                                    f"would scale to zero and the next request waits for a cold start; set it to "
+                                    f"1 or more, or annotate {SCALE_TO_ZERO_ANNOTATION}: \"true\" to mean it")
+    if "maxReplicaCount" not in spec:
+        yield ["spec", "maxReplicaCount"], "missing: KEDA's default is 100 replicas, each with its GPUs; set a ceiling"
+    triggers = spec.get("triggers") or []
+    if not triggers:
+        yield ["spec", "triggers"], "no trigger: scale on vllm:num_requests_waiting and vllm:kv_cache_usage_perc"
+    known = VLLM_SERIES | runtime_series()
+    services = {str((d.get("metadata") or {}).get("name")) for d in docs if d.get("kind") == "Service"}
+    for index, trigger in enumerate(triggers):
+        where = ["spec", "triggers", index]
+        if trigger.get("type") not in TRIGGER_TYPES:
+            yield [*where, "type"], (f"{trigger.get('type')!r}: the runtime scales on the engine's own series, "
+                                     f"read by a {' or '.join(map(repr, TRIGGER_TYPES))} trigger")
+            continue
+        metadata = trigger.get("metadata") or {}
+        for field in ("serverAddress", "query", "threshold"):
+            if not str(metadata.get(field) or "").strip():
+                yield [*where, "metadata", field], ("missing: a prometheus trigger needs serverAddress, query "
+                                                    "and threshold")
+        query = str(metadata.get("query") or "")
+        if not query.strip():
+            continue
+        names, selectors = promql_series(query)
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            yield [*where, "metadata", "query"], (
+                f"names {', '.join(map(repr, unknown))}, which neither vLLM nor the runtime exports" if unknown else
+                "names no series") + " (e.g. vllm:num_requests_waiting, vllm:kv_cache_usage_perc)"
+            continue
+        for selector in selectors or [{}]:
+            if (namespace is None and "namespace" not in selector) or (
+                    namespace is not None and selector.get("namespace") != namespace):
+                yield [*where, "metadata", "query"], (
+                    f"not scoped to the namespace: every selector needs namespace=\"{namespace or '<namespace>'}\""
+                    + ("" if namespace else " (and the kustomization a namespace:)"))
+                break
+            scope = selector.get("service") or selector.get("job")
+            if scope not in services:
+                yield [*where, "metadata", "query"], (
+                    f"not scoped to the deployment: every selector needs service=\"<a Service of this "
+                    f"kustomization>\" ({', '.join(sorted(services)) or 'none'}), or it counts other deployments' "
+                    "pods")
+                break
 
 
 # ---- docker/compose.yaml ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 from tests.support import REPO
 
 DEPLOY = REPO / "deploy"
-LAYOUTS = ("single-host", "multi-host", "inference-pool")
+LAYOUTS = ("single-host", "multi-host", "inference-pool", "autoscaling", "inference-pool-autoscaling")
 LEADER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
@@ -81,21 +81,21 @@ def _run_main(deploy: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, st
 # ---- the committed manifests pass ----------------------------------------------------------------------
 
 
-def test_discovery_finds_the_three_layouts() -> None:
+def test_discovery_finds_the_layouts_and_skips_components() -> None:
     assert [path.relative_to(DEPLOY).as_posix() for path in cm.discover(DEPLOY)] == sorted(LAYOUTS)
 
 
 def test_every_kustomization_renders_and_validates(schemas: Any) -> None:
     problems, directories, documents = cm.check_tree(DEPLOY, schemas)
     assert [str(p) for p in problems] == []
-    assert directories == 3
+    assert directories == len(LAYOUTS)
     assert documents >= 10
 
 
 def test_the_check_script_passes_on_the_repository(capsys: pytest.CaptureFixture[str]) -> None:
     code, output = _run_main(DEPLOY, capsys)
     assert code == 0, output
-    assert "3 kustomization(s)" in output and "Kubernetes 1.37" in output
+    assert f"{len(LAYOUTS)} kustomization(s)" in output and "Kubernetes 1.37" in output
     assert "LeaderWorkerSet" in output and "InferencePool" in output and "ServiceMonitor" in output
     assert "PodMonitor" in output
 
@@ -188,8 +188,8 @@ def test_an_api_key_in_args_of_a_copied_overlay_fails(tmp_path: Path, capsys: py
     code, output = _run_main(deploy, capsys)
     assert code == 1
     lines = [line for line in output.splitlines() if "--api-key in the command line" in line]
-    # single-host and inference-pool both render that Deployment
-    assert len(lines) == 2, output
+    # every layout but multi-host renders that Deployment
+    assert len(lines) == len(LAYOUTS) - 1, output
     assert all("Deployment/carbonforge" in line and "containers[0].args[3]" in line for line in lines)
     assert any(line.startswith(str(deploy / "single-host")) for line in lines)
 
@@ -342,7 +342,7 @@ def test_the_startup_probe_covers_the_ready_timeout(rendered: dict[str, list[dic
                 probed += 1
                 assert probe["httpGet"] == {"path": "/health", "port": "http"}
                 assert probe.get("initialDelaySeconds", 0) + probe["failureThreshold"] * probe["periodSeconds"] >= 3600
-    assert probed == 3  # single-host, the multi-host leader, inference-pool
+    assert probed == len(LAYOUTS)  # one Deployment's pod per layout, the leader in multi-host
 
 
 def test_readiness_and_liveness_probe_health_on_the_api_port(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -598,7 +598,7 @@ def test_a_grace_period_below_the_stop_timeout_fails(schemas: Any, rendered: dic
 def test_the_vendored_crds_are_recorded() -> None:
     readme = (DEPLOY / "schemas" / "README.md").read_text(encoding="utf-8")
     files = sorted((DEPLOY / "schemas").glob("*.yaml"))
-    assert len(files) == 4
+    assert len(files) >= 5  # every file, however many, must have its row below
     for path in files:
         rows = [line for line in readme.splitlines() if line.startswith(f"| `{path.name}` |")]
         assert len(rows) == 1, f"deploy/schemas/README.md has no row for {path.name}"
