@@ -172,11 +172,13 @@ def _kustomization(directory: Path) -> dict[str, Any]:
 
 
 def origin_of(directory: Path, kind: str, name: str, seen: frozenset[Path] = frozenset()) -> Path | None:
-    """The resource file, under ``directory``'s kustomization or its bases, that defines kind/name."""
+    """The resource file, under ``directory``'s kustomization, its bases or its components, that defines
+    kind/name."""
     directory = directory.resolve()
     if directory in seen:
         return None
-    for entry in _kustomization(directory).get("resources") or []:
+    kustomization = _kustomization(directory)
+    for entry in [*(kustomization.get("resources") or []), *(kustomization.get("components") or [])]:
         target = (directory / str(entry)).resolve()
         if target.is_dir():
             found = origin_of(target, kind, name, seen | {directory})
