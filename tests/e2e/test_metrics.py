@@ -183,6 +183,9 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     kinds = [c["call"] for c in calls_of(session.calls)]
     assert kinds[:3] == ["set_locked_clocks", "reset_locked_clocks", "set_locked_clocks"], kinds
 
+    # top's snapshot of this runtime, while it still serves
+    top_once_shows_the_live_runtime(session)
+
     # 4. SIGTERM: the runtime stops and the GPU is as it was found
     code = runtime.stop(signal.SIGTERM, timeout_s=60)
     assert code == 0, runtime.output()
@@ -195,3 +198,25 @@ def test_prometheus_counts_every_request_energy_adds_up_and_the_gpu_is_restored(
     assert "received SIGTERM" in out
     assert out.index("unlock the SM clock of GPU 0 (stopping)") < out.index("vLLM stopped")
     assert "Traceback" not in runtime.output()
+
+
+# ---- top against the live runtime ----------------------------------------------------------------------
+
+
+def top_once_shows_the_live_runtime(session: Session) -> None:
+    """``carbonforge-runtime top --once`` with the runtime's own environment and no --url (so the local
+    metrics endpoint and, through serve.json, vLLM's /metrics are found as in a container), after the burst."""
+    runtime = session.runtime
+    done = subprocess.run([*runtime.python, "top", "--once", "--interval-s", "0.5"], env=runtime.env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    out = done.stdout
+    print("\n== top --once:\n" + out)
+    assert f"http://127.0.0.1:{session.metrics_port}/metrics  +  http://127.0.0.1:{runtime.port}/metrics" in out
+    assert KEY in out and "running 0/16" in out  # the recipe's max_num_seqs is the ceiling
+    assert f"power {WATTS:.0f} W (1 GPU)" in out
+    ttft = next(line for line in out.splitlines() if "time to first token" in line)
+    assert int(ttft.split()[4]) == REQUESTS  # since start: every request of the burst
+    rank = next(line for line in out.splitlines() if line.startswith("0 ")).split()
+    assert rank[1] == "0/16" and rank[4].endswith("%")  # KV use read from vLLM's own metrics
+    assert all(len(line) <= 80 for line in out.splitlines())
