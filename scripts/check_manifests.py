@@ -1134,6 +1134,15 @@ def _scaled_object_problems(doc: dict[str, Any], docs: list[dict[str, Any]]) -> 
                                     f"1 or more, or annotate {SCALE_TO_ZERO_ANNOTATION}: \"true\" to mean it")
     if "maxReplicaCount" not in spec:
         yield ["spec", "maxReplicaCount"], "missing: KEDA's default is 100 replicas, each with its GPUs; set a ceiling"
+    elif isinstance(spec.get("minReplicaCount"), int) and spec["minReplicaCount"] > spec["maxReplicaCount"]:
+        # The CRD's CEL rule, which jsonschema does not evaluate.
+        yield ["spec", "minReplicaCount"], "minReplicaCount must be less than or equal to maxReplicaCount"
+    others = [f"{d.get('kind')}/{(d.get('metadata') or {}).get('name')}" for d in docs if d is not doc
+              and d.get("kind") in ("ScaledObject", "HorizontalPodAutoscaler")
+              and ((d.get("spec") or {}).get("scaleTargetRef") or {}).get("name") == target.get("name")]
+    if others:
+        yield ["spec", "scaleTargetRef", "name"], (f"{', '.join(others)} scales the same Deployment: the autoscalers "
+                                                   "would fight over its replica count; keep one")
     triggers = spec.get("triggers") or []
     if not triggers:
         yield ["spec", "triggers"], "no trigger: scale on vllm:num_requests_waiting and vllm:kv_cache_usage_perc"

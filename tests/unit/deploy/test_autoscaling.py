@@ -244,3 +244,21 @@ def test_promql_series_reads_names_and_matchers() -> None:
         'or on(pod) carbonforge_requests_waiting{namespace="a", job="c"}')
     assert names == ["vllm:kv_cache_usage_perc", "carbonforge_requests_waiting"]
     assert selectors == [{"namespace": "a", "service": "b"}, {"namespace": "a", "job": "c"}]
+
+
+def test_a_floor_above_the_ceiling_fails(schemas: Any, rendered: dict[str, Docs]) -> None:
+    docs, scaled = _broken(rendered)
+    scaled["spec"]["minReplicaCount"] = 5
+    assert _problems(schemas, docs) == [
+        "deploy/autoscaling: ScaledObject/carbonforge: spec.minReplicaCount: minReplicaCount must be less than or "
+        "equal to maxReplicaCount"]
+
+
+def test_two_autoscalers_on_one_deployment_fail(schemas: Any, rendered: dict[str, Docs]) -> None:
+    docs, _ = _broken(rendered)
+    docs.append({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "cpu"},
+                 "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "carbonforge"},
+                          "minReplicas": 1, "maxReplicas": 2}})
+    assert _problems(schemas, docs) == [
+        "deploy/autoscaling: ScaledObject/carbonforge: spec.scaleTargetRef.name: HorizontalPodAutoscaler/cpu scales "
+        "the same Deployment: the autoscalers would fight over its replica count; keep one"]
