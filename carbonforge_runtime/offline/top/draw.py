@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -91,12 +90,9 @@ def live(target: Target, interval_s: float, out: TextIO, ticks: int | None = Non
     notes = [note]
     down_since: str | None = None
     tty = out.isatty()
-    size: Callable[[], tuple[int, int]] = lambda: (WIDTH, 10_000)  # noqa: E731
-    if tty:
-        size = lambda: tuple(shutil.get_terminal_size((WIDTH, HEIGHT)))  # type: ignore[assignment,return-value] # noqa: E731
 
     def lines() -> list[Line]:
-        width, height = size()
+        width, height = shutil.get_terminal_size((WIDTH, HEIGHT)) if tty else (WIDTH, 10_000)
         down = [f"no answer since {down_since}: the numbers above are from then"] if down_since else []
         return screen(target, scrapes, True, notes + down, width, height)
 

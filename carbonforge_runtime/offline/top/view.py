@@ -215,6 +215,10 @@ def _num(value: float | None, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
+def _per_s(value: float | None) -> str:
+    return "n/a" if value is None else f"{_num(value)}/s"
+
+
 def _seconds(value: float | None, last_bound: float | None = None) -> str:
     if value is None:
         return "-"
@@ -237,11 +241,12 @@ def layout(view: View, source: str, clock: str, width: int = WIDTH, height: int 
     """The screen: at most ``height`` lines of at most ``width`` characters, each with a style name."""
     lines: list[Line] = [(f"carbonforge top  {view.title}  {clock}", "title"), (source, "note"), ("", "")]
     lines.append((f"Requests   running {_fraction(view.running, view.ceiling)}   waiting {_num(view.waiting, 0)}"
-                  f"   finished {_num(view.finished_per_s)}/s", ""))
+                  f"   finished {_per_s(view.finished_per_s)}", ""))
     lines.append((f"Tokens/s   output {_num(view.output_tps)}   scheduled {_num(view.scheduled_tps)}", ""))
     if view.power_w is not None:
         gpus = f"{view.gpus} GPU" + ("s" if view.gpus != 1 else "")
-        lines.append((f"Energy     power {view.power_w:.0f} W ({gpus})   {_num(view.j_per_token, 2)} J/token", ""))
+        per_token = "J/token n/a" if view.j_per_token is None else f"{view.j_per_token:.2f} J/token"
+        lines.append((f"Energy     power {view.power_w:.0f} W ({gpus})   {per_token}", ""))
     else:
         lines.append(("Energy     not metered", ""))
     span = "since start" if view.window_s is None else f"last {view.window_s:.0f} s"

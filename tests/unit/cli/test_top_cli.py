@@ -133,5 +133,8 @@ def test_live_mode_off_a_terminal_prints_plain_snapshots_and_outlives_a_dead_scr
     snapshots = out.getvalue().split("\n\ncarbonforge top")
     assert len(snapshots) == 3 and pages.hits["/metrics"] == 3
     assert "Latency, since start" in snapshots[0] and "Latency, last 0 s" in snapshots[1]
+    assert "finished n/a\n" in snapshots[0]  # one scrape: no rate yet
+    finished = next(line for line in snapshots[1].splitlines() if line.startswith("Requests"))
+    assert float(finished.split("finished ")[1].removesuffix("/s")) > 0  # six requests between two scrapes
     assert "no answer" not in snapshots[1]
     assert "no answer since" in snapshots[2] and "running 0/16" in snapshots[2]  # the last numbers stay up
