@@ -12,7 +12,8 @@ Validation, for every rendered document:
 - Kubernetes kinds (Deployment, Service, PersistentVolumeClaim, ...) against the strict JSON schemas
   that the PyPI package kubernetes-validate ships for Kubernetes KUBERNETES_VERSION (unknown fields
   are errors, as with `kubectl apply --validate=strict`);
-- custom resources (LeaderWorkerSet, InferencePool, ServiceMonitor, PodMonitor, ScaledObject) against
+- custom resources (LeaderWorkerSet, InferencePool, ServiceMonitor, PodMonitor, PrometheusRule,
+  ScaledObject) against
   the openAPIV3Schema of their CRDs, vendored in deploy/schemas/ (README.md there records where each
   comes from). An object schema with properties is closed, as the API server's strict field
   validation treats it; CEL rules (x-kubernetes-validations) are not evaluated, except the one

@@ -24,6 +24,8 @@ echo "== docs"
 .venv/bin/python scripts/gen_docs.py --check
 echo "== dashboards"
 .venv/bin/python scripts/gen_dashboards.py --check
+echo "== alert rules (the PrometheusRule is written from the rules file)"
+.venv/bin/python scripts/gen_prometheusrule.py --check
 echo "== manifests"
 .venv/bin/python scripts/check_manifests.py
 echo "== hadolint"
