@@ -192,12 +192,11 @@ OVERVIEW = Dashboard(
                   (_q(f"sum(increase(carbonforge_request_energy_joules_total[{WINDOW}])) / "
                       f"sum(increase(carbonforge_requests_total[{WINDOW}]))", "J per request"),)),
             Panel("Energy per output token", "joule",
-                  "GPU energy per generated token: the runtime's one-minute figure and the same over the window. "
-                  "Compare recipes and controller policies with it; a rise means the GPU works harder for the "
-                  "same output.",
-                  (_q("carbonforge_energy_per_output_token_joules", "last minute"),
-                   _q(f"sum(increase(carbonforge_request_energy_joules_total[{WINDOW}])) / "
-                      f"sum(increase(carbonforge_request_output_tokens_total[{WINDOW}]))", "window"))),
+                  "GPU energy attributed to completed requests per generated token, over the window. Compare "
+                  "recipes and controller policies with it; a rise at unchanged traffic means the GPU works harder "
+                  "for the same output (small batches, clocks held high).",
+                  (_q(f"sum(increase(carbonforge_request_energy_joules_total[{WINDOW}])) / "
+                      f"sum(increase(carbonforge_request_output_tokens_total[{WINDOW}]))", "J per token"),)),
             Panel("Controller actions", "short",
                   "Settings the energy controller changed over the window (observe-only: would have changed). Many "
                   "lock/unlock pairs a minute mean it oscillates: lengthen its period or down_periods in the recipe.",
