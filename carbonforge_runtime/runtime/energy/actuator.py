@@ -56,6 +56,8 @@ class GpuActuator:
         self.intended: dict[int, Target] = {i: Target() for i in self.limits}
         self.actions: Counter[str] = Counter()
         self.set_calls = 0
+        #: GPU settings the driver refused (the metric carbonforge_controller_failures_total{stage="setting"}).
+        self.failures = 0
         self.clock_managed = {i: not lim.clocks_locked for i, lim in self.limits.items()}
         for i, lim in self.limits.items():
             if lim.clocks_locked:
@@ -113,6 +115,7 @@ class GpuActuator:
                     self.set_calls += 1
                     call()
                 except GpuError as exc:
+                    self.failures += 1
                     if self._give_up(exc):
                         done.append(Action(index, kind, text, applied=False))
                         self.intended = dict(self.applied)

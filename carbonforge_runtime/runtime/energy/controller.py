@@ -39,6 +39,8 @@ class ControllerStatus:
     targets: dict[int, tuple[float, float]] = field(default_factory=dict)
     actions: dict[str, int] = field(default_factory=dict)
     guard_trips: int = 0
+    #: "setting" (GPU settings the driver refused) and "period" (control periods that failed) -> count
+    failures: dict[str, int] = field(default_factory=dict)
     load: float | None = None
     reason: str = ""
 
@@ -68,6 +70,7 @@ class Controller:
         self.actuator: GpuActuator | None = None
         self.last: Decision | None = None
         self.guard_trips = 0
+        self.failed_periods = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -133,6 +136,7 @@ class Controller:
             try:
                 self.tick()
             except Exception as exc:  # a bug must not leave a saving in force
+                self.failed_periods += 1
                 self.log.warning("energy controller: a period failed (%s); back to full performance", exc)
                 try:
                     with self._lock:
@@ -171,6 +175,7 @@ class Controller:
                 status.targets[lim.index] = (float(clock), float(watts))
             status.actions = dict(actuator.actions)
             status.guard_trips = self.guard_trips
+            status.failures = {"setting": actuator.failures, "period": self.failed_periods}
             if self.last is not None:
                 status.load = self.last.load
                 status.reason = self.last.reason

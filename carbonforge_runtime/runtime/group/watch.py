@@ -239,6 +239,15 @@ class LeaderWatch:
                     "(CF_JOIN_TIMEOUT_S)")
         return None
 
+    def lost(self) -> list[int]:
+        """The worker ranks the group has lost, as :meth:`problem` decides: gone, or not joined within
+        the join timeout (the metric ``carbonforge_group_hosts_lost`` counts them)."""
+        with self._lock:
+            gone = set(self._gone)
+            missing = {rank for rank in range(1, self.nnodes) if rank not in self._members}
+        late = time.monotonic() - self._started > self.join_timeout_s
+        return sorted(gone | missing if late else gone)
+
     # --- the loop -------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -716,6 +725,9 @@ class LeaderHooks(GroupHooks):
         problem = self.watch.problem()
         return GroupLoss(problem) if problem else None
 
+    def hosts_lost(self) -> int:
+        return len(self.watch.lost())
+
     def on_loss(self, loss: GroupLoss) -> None:
         with contextlib.suppress(OSError):  # a link planted in its place is refused, its target untouched
             os.close(files.open_append(self.down_file, 0o644))
@@ -742,6 +754,10 @@ class WorkerHooks(GroupHooks):
             return GroupLoss(f"the group's leader {self.watch.leader} stopped the group", orderly=True)
         problem = self.watch.problem()
         return GroupLoss(problem) if problem else None
+
+    def hosts_lost(self) -> int:
+        """1 once the leader is gone or was never reached; 0 when it stopped the group in order."""
+        return 0 if self.watch.farewell or self.watch.problem() is None else 1
 
     def before_stop(self, deadline: float, hurry: Callable[[], bool]) -> None:
         while self.watch.joined and not self.watch.leader_gone() and time.monotonic() < deadline and not hurry():

@@ -58,6 +58,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("licence_expiry_timestamp_seconds", "gauge", "When the licence expires (Unix time)"),
     MetricSpec("engine_max_num_seqs", "gauge", "Most requests the engine runs at once (vLLM's --max-num-seqs "
                "as planned; absent when the recipe leaves it to vLLM's default)"),
+    MetricSpec("queue_wait_target_seconds", "gauge", "The recipe's target for the p90 queue wait (its controller's "
+               "latency guard, queue_wait_p90_s; absent when the recipe sets none)"),
+    MetricSpec("group_hosts_lost", "gauge", "Hosts of the multi-host group found gone or never joined (the "
+               "runtime stops its engine soon after; absent when serving alone)"),
     MetricSpec("request_queue_wait_seconds", "histogram", "Arrival to first scheduling of each completed request",
                _FAMILY),
     MetricSpec("request_time_to_first_token_seconds", "histogram", "Arrival to first output token of each "
@@ -99,6 +103,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("controller_actions", "counter", "Settings the controller changed (observe-only: would have changed)",
                ("action",)),
     MetricSpec("controller_guard_trips", "counter", "Times the latency guard forced full performance"),
+    MetricSpec("controller_failures", "counter", "Controller failures: a GPU setting the driver refused (stage "
+               "\"setting\") or a control period that failed (stage \"period\")", ("stage",)),
     MetricSpec("controller_load_ratio", "gauge", "Load the controller last saw (0 to 1)"),
 )
 _SPECS = {spec.name: spec for spec in METRICS}
@@ -139,6 +145,10 @@ def families(snap: Snapshot) -> Iterator[Metric]:
             yield _family("licence_expiry_timestamp_seconds", value=snap.info.licence_expires_at)
         if snap.info.max_num_seqs is not None:
             yield _family("engine_max_num_seqs", value=float(snap.info.max_num_seqs))
+        if snap.info.queue_wait_target_s is not None:
+            yield _family("queue_wait_target_seconds", value=snap.info.queue_wait_target_s)
+    if snap.group_hosts_lost is not None:
+        yield _family("group_hosts_lost", value=float(snap.group_hosts_lost))
 
     # -- requests (from the engine, per completed request) --
     fams = snap.families
@@ -230,6 +240,10 @@ def families(snap: Snapshot) -> Iterator[Metric]:
             actions.add_metric([kind], status.actions.get(kind, 0))
         yield actions
         yield _family("controller_guard_trips", value=status.guard_trips)
+        failures = _family("controller_failures")
+        for stage in ("setting", "period"):
+            failures.add_metric([stage], status.failures.get(stage, 0))
+        yield failures
         if status.load is not None:
             yield _family("controller_load_ratio", value=status.load)
 

@@ -73,6 +73,8 @@ class Info:
     licence_expires_at: float | None
     #: vLLM's --max-num-seqs on the planned command line (None: vLLM's own default applies).
     max_num_seqs: int | None = None
+    #: The recipe's p90 queue-wait target (its controller's latency guard), None when it sets none.
+    queue_wait_target_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class Snapshot:
     controller: ControllerStatus | None
     info: Info | None
     joules_per_output_token: float | None
+    #: Hosts of a multi-host group this host has found lost (None when it serves alone).
+    group_hosts_lost: int | None = None
 
 
 class RuntimeState:
@@ -110,6 +114,8 @@ class RuntimeState:
         self.info: Info | None = None
         self.output_tokens_total = 0
         self.joules_per_output_token: float | None = None
+        #: A multi-host group's count of lost hosts (:meth:`GroupHooks.hosts_lost`), None when alone.
+        self.group_hosts_lost: Callable[[], int] | None = None
 
     # -- inputs --
 
@@ -175,6 +181,7 @@ class RuntimeState:
 
     def snapshot(self) -> Snapshot:
         controller = self.controller() if self.controller is not None else None
+        hosts_lost = self.group_hosts_lost() if self.group_hosts_lost is not None else None
         now = self.clock()
         with self._lock:
             families = {
@@ -196,4 +203,5 @@ class RuntimeState:
                 controller=controller,
                 info=self.info,
                 joules_per_output_token=self.joules_per_output_token,
+                group_hosts_lost=hosts_lost,
             )

@@ -336,6 +336,10 @@ class GroupHooks:
         """Set once the group can no longer serve."""
         return None
 
+    def hosts_lost(self) -> int:
+        """How many hosts of the group this host has found lost (the metric carbonforge_group_hosts_lost)."""
+        return 0
+
     def on_loss(self, loss: GroupLoss) -> None:
         """Called once, before the engine is stopped (the leader turns /health to 503 here)."""
 

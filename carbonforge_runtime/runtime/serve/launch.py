@@ -361,6 +361,8 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
         if licence_watch is not None:  # the API server refuses new requests once this file exists
             engine_env[LICENCE_EXPIRED_VARIABLE] = str(licence_watch.expired_file)
         group = _watch_group(plan.group, settings, log_dir, engine_env, logger)
+        if observe is not None and group is not None:
+            observe.watch_group(group.hosts_lost)
         engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
         what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
         logger.info("starting vLLM for %s; engine log: %s", what, engine.log_path)

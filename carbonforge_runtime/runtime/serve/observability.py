@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -81,12 +81,12 @@ class Observability:
         from carbonforge_runtime.runtime.metrics.state import RuntimeState
 
         self.state = RuntimeState()
-        self.state.info = self._info()
-        if needs.gpu:
-            self._open_gpus()
         recipe = self.prepared.plan.recipe
         policy = recipe.controller.policy if recipe is not None else POLICY_NONE
         params = self._controller_params(recipe) if policy != POLICY_NONE else None
+        self.state.info = self._info(params.guard.queue_wait_p90_s if params is not None else None)
+        if needs.gpu:
+            self._open_gpus()
         if needs.metrics or self.session is not None:
             self._start_feed()
         if params is not None:
@@ -98,7 +98,7 @@ class Observability:
             self._monitor.start()
         return self
 
-    def _info(self) -> Any:
+    def _info(self, queue_wait_target_s: float | None) -> Any:
         from carbonforge_runtime import __version__
         from carbonforge_runtime.runtime.metrics.state import Info
 
@@ -114,7 +114,12 @@ class Observability:
             licence_plan="premium" if licence is not None else (recipe.plan if recipe else "free"),
             licence_expires_at=float(licence.expires_at) if licence is not None else None,
             max_num_seqs=_max_num_seqs(plan.argv),
+            queue_wait_target_s=queue_wait_target_s,
         )
+
+    def watch_group(self, hosts_lost: Callable[[], int]) -> None:
+        """Export how many hosts of the group this host has found lost (carbonforge_group_hosts_lost)."""
+        self.state.group_hosts_lost = hosts_lost
 
     def _open_gpus(self) -> None:
         from carbonforge_runtime.gpu.select import open_session, select_visible
