@@ -20,6 +20,8 @@ from tests.support import REPO
 
 DEPLOY = REPO / "deploy"
 LAYOUTS = ("single-host", "multi-host", "inference-pool", "autoscaling", "inference-pool-autoscaling")
+#: Every kustomization: the serving layouts and the alert rules (a PrometheusRule alone).
+KUSTOMIZATIONS = (*LAYOUTS, "observability")
 LEADER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
@@ -82,22 +84,22 @@ def _run_main(deploy: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, st
 
 
 def test_discovery_finds_the_layouts_and_skips_components() -> None:
-    assert [path.relative_to(DEPLOY).as_posix() for path in cm.discover(DEPLOY)] == sorted(LAYOUTS)
+    assert [path.relative_to(DEPLOY).as_posix() for path in cm.discover(DEPLOY)] == sorted(KUSTOMIZATIONS)
 
 
 def test_every_kustomization_renders_and_validates(schemas: Any) -> None:
     problems, directories, documents = cm.check_tree(DEPLOY, schemas)
     assert [str(p) for p in problems] == []
-    assert directories == len(LAYOUTS)
+    assert directories == len(KUSTOMIZATIONS)
     assert documents >= 10
 
 
 def test_the_check_script_passes_on_the_repository(capsys: pytest.CaptureFixture[str]) -> None:
     code, output = _run_main(DEPLOY, capsys)
     assert code == 0, output
-    assert f"{len(LAYOUTS)} kustomization(s)" in output and "Kubernetes 1.37" in output
+    assert f"{len(KUSTOMIZATIONS)} kustomization(s)" in output and "Kubernetes 1.37" in output
     assert "LeaderWorkerSet" in output and "InferencePool" in output and "ServiceMonitor" in output
-    assert "PodMonitor" in output
+    assert "PodMonitor" in output and "PrometheusRule" in output
 
 
 @pytest.mark.parametrize(("layout", "kinds"), [
