@@ -118,10 +118,12 @@ OVERVIEW = Dashboard(
                   "a slower GPU (check clocks and power in the energy row).",
                   _quantiles("vllm:e2e_request_latency_seconds", MODEL)),
             Panel("Queue wait", "s",
-                  "Arrival to first scheduling (the runtime's histogram, per completed request). Anything above a "
-                  "few hundred milliseconds means requests wait for a place in the batch: scale out, or raise "
-                  "max_num_seqs if the KV cache has room.",
-                  _quantiles("carbonforge_request_queue_wait_seconds")),
+                  "Arrival to first scheduling (the runtime's histogram, per completed request), with the recipe's "
+                  "p90 target when it sets one. Anything above a few hundred milliseconds, or above the target, "
+                  "means requests wait for a place in the batch: scale out, or raise max_num_seqs if the KV cache "
+                  "has room.",
+                  (*_quantiles("carbonforge_request_queue_wait_seconds"),
+                   _q("max(carbonforge_queue_wait_target_seconds)", "target (p90)"))),
         )),
         Row("Engine", (
             Panel("Running and waiting requests", "short",
@@ -146,7 +148,7 @@ OVERVIEW = Dashboard(
                   (_q(f"sum(rate(vllm:prefix_cache_hits_total{{{MODEL}}}[{WINDOW}])) / "
                       f"sum(rate(vllm:prefix_cache_queries_total{{{MODEL}}}[{WINDOW}]))", "hit rate"),)),
         )),
-        Row("Data-parallel ranks", (
+        Row("Data-parallel ranks and hosts", (
             Panel("Running and waiting by rank", "short",
                   "The batch and queue of each engine core (dp_rank). One rank busy while others idle means the "
                   "load is not spread: check the client or the router in front.",
@@ -161,6 +163,11 @@ OVERVIEW = Dashboard(
                   "Time since each engine core last reported (twice a second when healthy). Above a few seconds the "
                   "engine core is hung or the metrics feed is broken: the runtime's log says which.",
                   (_q("max by (dp_rank) (carbonforge_engine_state_age_seconds)", "rank {{dp_rank}}"),)),
+            Panel("Group hosts lost", "short",
+                  "Hosts of a multi-host group found gone or never joined, as the leader's group watch sees them "
+                  "(no data when serving on one host). Above zero the runtime stops its engine: bring the host "
+                  "back (its runtime's log says why it left) and restart the group.",
+                  (_q("max(carbonforge_group_hosts_lost)", "hosts lost"),), kind="stat"),
             Panel("Scrape targets up", "short",
                   "1 for every metrics endpoint Prometheus reaches (the runtime's metrics port and vLLM's /metrics, "
                   "on every host of a multi-host group). 0: the process is down or the port is blocked.",
@@ -198,10 +205,14 @@ OVERVIEW = Dashboard(
                   (_q(f"sum(increase(carbonforge_request_energy_joules_total[{WINDOW}])) / "
                       f"sum(increase(carbonforge_request_output_tokens_total[{WINDOW}]))", "J per token"),)),
             Panel("Controller actions", "short",
-                  "Settings the energy controller changed over the window (observe-only: would have changed). Many "
-                  "lock/unlock pairs a minute mean it oscillates: lengthen its period or down_periods in the recipe.",
+                  "Settings the energy controller changed over the window (observe-only: would have changed), "
+                  "latency guard trips and failures. Many lock/unlock pairs a minute mean it oscillates: lengthen "
+                  "its period or down_periods in the recipe. Failures: the driver refused a setting or a period "
+                  "failed; the runtime's log names it.",
                   (_q(f"sum by (action) (increase(carbonforge_controller_actions_total[{WINDOW}]))", "{{action}}"),
-                   _q(f"increase(carbonforge_controller_guard_trips_total[{WINDOW}])", "latency guard trips"))),
+                   _q(f"increase(carbonforge_controller_guard_trips_total[{WINDOW}])", "latency guard trips"),
+                   _q(f"sum by (stage) (increase(carbonforge_controller_failures_total[{WINDOW}]))",
+                      "failures: {{stage}}"))),
             Panel("SM clock and the controller's target", "hertz",
                   "The SM clock of each GPU and the highest clock the controller allows. A clock below the target "
                   "under load means thermal or power throttling: check temperature and the power limit.",

@@ -290,8 +290,10 @@ def test_the_metrics_table_is_what_the_page_exposes() -> None:
         feed=ReceiverStats(messages=4),
         gpus=[GpuReading(0, "GPU-0", 300.0, 1e6, 1410, 1593, 60.0, 1 << 30, 400.0, False)],
         controller=ControllerStatus("lock-sm-clock", False, "", targets={0: (1410.0, 400.0)}, load=0.5),
-        info=Info("0.2.0", "0.32.0", "k:q:chat:cpu", "r", "premium", 2e9, max_num_seqs=16),
+        info=Info("0.2.0", "0.32.0", "k:q:chat:cpu", "r", "premium", 2e9, max_num_seqs=16,
+                  queue_wait_target_s=0.5),
         joules_per_output_token=0.2,
+        group_hosts_lost=0,
     )
     exposed = {metric.name: metric for metric in families(everything)}
     assert [spec.name for spec in METRICS] == [name.removeprefix(PREFIX) for name in exposed]
