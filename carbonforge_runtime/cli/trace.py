@@ -118,3 +118,78 @@ def plot(
         typer.echo(f"wrote {output} ({len(result.windows)} windows of {summary_mod.fmt_window(window_s)})")
 
     _guard(run)
+
+
+@trace_app.command("list")
+def list_requests(
+    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip), or directories of them.",
+                                       show_default=False),
+    limit: int = typer.Option(50, "--limit", help="Rows per page (0 = every matching row)."),
+    cursor: str | None = typer.Option(None, "--cursor", help="Resume after the last row of a page: the "
+                                      "next_cursor it printed (same files, filters and sort).", show_default=False),
+    since: str | None = typer.Option(None, "--since", help="Arrived at or after this time: ISO-8601 (UTC unless an "
+                                     "offset is given) or Unix seconds.", show_default=False),
+    until: str | None = typer.Option(None, "--until", help="Arrived before this time (same forms as --since).",
+                                     show_default=False),
+    filters: list[str] = typer.Option([], "--filter", help="FIELD OP NUMBER on a numeric field, e.g. "
+                                      "'output_tokens>5', 'latency>=2s' (OP: > >= < <= = !=; repeatable, all must "
+                                      "hold).", show_default=False),
+    finish_reason: str | None = typer.Option(None, "--finish-reason", help="Only this finish reason (stop, "
+                                             "length, abort, error, repetition).", show_default=False),
+    model: str | None = typer.Option(None, "--model", help="Only records of this model.", show_default=False),
+    tenant: str | None = typer.Option(None, "--tenant", help="Only records of this tenant.", show_default=False),
+    task: str | None = typer.Option(None, "--task", help="Only records tagged with this task.", show_default=False),
+    sort: str = typer.Option("t_arrival", "--sort", help="Numeric field to sort by (records without it come last)."),
+    order: str = typer.Option("asc", "--order", help="asc or desc."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document: rows and next_cursor."),
+) -> None:
+    """The captured requests, one row each, filtered, sorted and paged (streams the files once per page)."""
+    from carbonforge_runtime.offline.trace_tools import catalog
+    from carbonforge_runtime.offline.trace_tools.summarize import problem_lines
+
+    def run() -> None:
+        query = catalog.build_query(filters, since, until, finish_reason, model, tenant, task, sort, order)
+        page = catalog.list_requests(files, query, limit, cursor)
+        _warn(problem_lines(page.files, page.bad_line_examples, page.bad_lines))
+        if json_output:
+            import json
+
+            typer.echo(json.dumps(page.to_json(), indent=2))
+        else:
+            typer.echo(catalog.render_list(page))
+
+    _guard(run)
+
+
+@trace_app.command("show")
+def show_request(
+    request_id: str = typer.Argument(..., metavar="ID", help="The request's request_id (the id the client "
+                                     "received) or engine_request_id.", show_default=False),
+    files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip), or directories of them.",
+                                       show_default=False),
+    json_output: bool = typer.Option(False, "--json", help="Print the record(s) as one JSON document."),
+) -> None:
+    """One request in full: timings, tokens, the scheduler's view, and at the full level the prompt and answer."""
+    from carbonforge_runtime.offline.trace_tools import catalog
+    from carbonforge_runtime.offline.trace_tools.summarize import problem_lines
+
+    def run() -> None:
+        request = catalog.find_request(files, request_id)
+        _warn(problem_lines(request.files, request.bad_line_examples, request.bad_lines))
+        if not request.found:
+            names = " ".join(str(path) for path in files)
+            raise CarbonForgeError(f"no request with the id {request_id!r} in {names}",
+                                   f"run `carbonforge-runtime trace list {names}` to see the request ids")
+        if json_output:
+            import json
+
+            typer.echo(json.dumps(request.to_json(), indent=2))
+        else:
+            typer.echo(catalog.render_request(request, _prompt_messages()))
+
+    _guard(run)
+
+
+def _prompt_messages() -> Any:
+    """The chat-prompt parser where this installation has one (None: prompts are shown as recorded)."""
+    return None
