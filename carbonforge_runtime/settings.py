@@ -118,6 +118,22 @@ def _directory(name: str, raw: str) -> str:
     return value
 
 
+#: The forms CF_TRACE_RETENTION accepts, for its error message and docs.
+RETENTION_FORMS = "a whole number of days, hours or minutes: 7d, 12h, 30m"
+_RETENTION_UNITS_S = {"d": 86400, "h": 3600, "m": 60}
+
+
+def _retention(name: str, raw: str) -> float:
+    """``7d`` -> 604800.0: how long trace files are kept, at least a minute."""
+    text = raw.strip().lower()
+    count, unit = text[:-1], text[-1:]
+    if unit not in _RETENTION_UNITS_S or not count.isascii() or not count.isdigit() or int(count) <= 0:
+        raise OverrideError(f"{name}={raw!r} is not a retention",
+                            f"set {name} to {RETENTION_FORMS} (e.g. {name}=7d), or unset it to keep trace files "
+                            "forever")
+    return float(int(count) * _RETENTION_UNITS_S[unit])
+
+
 def _seconds(name: str, raw: str) -> float:
     try:
         value = float(raw.strip())
@@ -154,7 +170,7 @@ VarName = Literal[
     "CF_MAX_REQUEST_BYTES",
     "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_GROUP_SECRET", "CF_GROUP_SECRET_FILE",
     "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
-    "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS", "CF_ENGINE_ENV_PASS",
+    "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS", "CF_ENGINE_ENV_PASS", "CF_TRACE_RETENTION",
 ]
 
 T = TypeVar("T")
@@ -334,6 +350,11 @@ class Settings:
     lws_leader_address = Var("LWS_LEADER_ADDRESS",
                              "Set by LeaderWorkerSet: the leader pod's address (read when CF_MASTER_ADDR is unset)",
                              _text, read=_optional_text)
+    trace_retention_s = Var("CF_TRACE_RETENTION",
+                            "How long trace files are kept (e.g. 7d, 12h, 30m): the file given to --trace-file "
+                            "rotates into time-stamped segments, and a segment is deleted once its newest record "
+                            "is older than this; unset: kept forever",
+                            _retention, read=_optional_float)
     engine_env_pass = Var("CF_ENGINE_ENV_PASS",
                           "More environment variables vLLM may see, comma-separated (`NAME*` for a prefix); by "
                           "default it sees only the variable families a serving engine reads",

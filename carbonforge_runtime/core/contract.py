@@ -91,6 +91,9 @@ class TraceConfig:
     #: Engine cores of a data-parallel deployment; above 1 each rank writes its own file
     #: (:func:`rank_file`), so no two processes append to one file.
     data_parallel_size: int = 1
+    #: CF_TRACE_RETENTION in seconds: the file rotates and old segments are deleted
+    #: (:mod:`~carbonforge_runtime.core.trace_retention`); None keeps it forever.
+    retention_s: float | None = None
 
     @property
     def full(self) -> bool:

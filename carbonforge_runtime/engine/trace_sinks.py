@@ -13,20 +13,35 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import stat
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from carbonforge_runtime import files
 from carbonforge_runtime.core.contract import PROTOCOL_GRPC, MetricsFeed, OtlpTarget, TraceConfig
 from carbonforge_runtime.core.redaction import redact_url
+from carbonforge_runtime.core.trace_retention import (
+    SegmentNames,
+    boundary_after,
+    format_duration,
+    period_word,
+    rotation_period,
+    segment_path,
+)
 
 #: The OTLP resource's service name and the name of every span (one span per request).
 SERVICE_NAME = "carbonforge-scheduler"
 SPAN_NAME = "llm_request"
 
 Record = Mapping[str, Any]
+
+#: The scheduler's logger (a child of vLLM's, so lines land in vllm.log).
+log = logging.getLogger("vllm.carbonforge")
+#: With a retention, how often (in seconds of the sink's clock) expired segments are looked for.
+SWEEP_INTERVAL_S = 60.0
 
 
 class SinkError(Exception):
@@ -58,13 +73,16 @@ class JsonlSink:
     short write without risking another writer's lines.) The cut is also skipped when the file grew
     by more than this batch wrote, in case a writer that takes no lock appended meanwhile."""
 
-    def __init__(self, path: str, private: bool = False) -> None:
+    def __init__(self, path: str, private: bool = False, *, retention_s: float | None = None,
+                 family: str | None = None, clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.name = f"file {path}"
         self.private = private
         self.mode = 0o600 if private else 0o644
         self._fd: int | None = None
         self._ident: tuple[int, int] | None = None
+        #: With a retention (CF_TRACE_RETENTION), see :class:`Rotation`.
+        self.rotation = Rotation(path, retention_s, family or path, clock) if retention_s else None
 
     def _open(self) -> int:
         try:
@@ -77,6 +95,8 @@ class JsonlSink:
             raise SinkError(f"cannot open {self.path}: {exc.strerror or exc}") from None
         info = os.fstat(fd)
         self._fd, self._ident = fd, (info.st_dev, info.st_ino)
+        if self.rotation is not None:
+            self.rotation.opened(info)
         return fd
 
     def _current_fd(self) -> int:
@@ -125,8 +145,11 @@ class JsonlSink:
     def write(self, records: Sequence[Record]) -> None:
         blob = "".join(json.dumps(r, ensure_ascii=False, separators=(", ", ": ")) + "\n" for r in records)
         data = blob.encode("utf-8")
+        now = self.rotation.clock() if self.rotation is not None else 0.0
         fd = self._current_fd()
         self._lock(fd)
+        if self.rotation is not None and self.rotation.due(now):
+            fd = self._rotate(fd, now, reopen=True)
         try:
             try:
                 info = os.fstat(fd)
@@ -151,12 +174,162 @@ class JsonlSink:
             if self._fd == fd:  # closing the descriptor released the lock already
                 with contextlib.suppress(OSError):
                     fcntl.flock(fd, fcntl.LOCK_UN)
+        if self.rotation is not None:
+            self.rotation.written(now)
+            self.rotation.sweep_if_due(now)
+
+    def _rotate(self, fd: int, now: float, reopen: bool) -> int:
+        """With ``fd`` locked: rename the file to its segment, then (``reopen``) open and lock a new one
+        at ``path`` and return it. When the rename fails, the records go on into the same file (a later
+        rotation tries again): rotating never costs a record."""
+        assert self.rotation is not None
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+            ours = (info.st_dev, info.st_ino) == self._ident
+        except OSError:
+            ours = False
+        if not ours:  # replaced or removed meanwhile: nothing of ours to rename
+            self._close_fd()
+            return self._locked_fd() if reopen else -1
+        if not self.rotation.rename(self.path, now):
+            if not reopen:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            return fd
+        self._close_fd()  # releases the lock: the segment is complete, and nothing appends to it again
+        return self._locked_fd() if reopen else -1
+
+    def _locked_fd(self) -> int:
+        fd = self._open()
+        self._lock(fd)
+        return fd
+
+    def maintain(self) -> None:
+        """Called by the sink's worker while it has nothing to write: with a retention, close the file
+        once its period is over even without traffic, and delete expired segments."""
+        rotation = self.rotation
+        if rotation is None:
+            return
+        now = rotation.clock()
+        if self._fd is None and rotation.unknown_file:
+            rotation.unknown_file = False
+            try:  # a file left by an earlier run: open it (never creating it) to learn its period
+                info = os.stat(self.path, follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode) and info.st_size > 0:
+                    self._open()
+            except (OSError, SinkError):
+                pass
+        if self._fd is not None and rotation.due(now):
+            fd = self._fd
+            self._lock(fd)
+            self._rotate(fd, now, reopen=False)
+        rotation.sweep_if_due(now)
 
     def close(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.fsync(self._fd)
         self._close_fd()
+
+
+class Rotation:
+    """The retention of one trace file (CF_TRACE_RETENTION), on the sink's own thread.
+
+    The file is closed at the end of each rotation period (UTC boundaries, see
+    :mod:`~carbonforge_runtime.core.trace_retention`) and renamed to a sibling segment stamped with
+    that boundary, between two batches and under the file's lock, so a record is never split and
+    every segment holds whole lines. Segments whose stamp is more than the retention ago hold only
+    records older than the retention and are deleted, each with one log line. The file being written
+    has no stamp and is never deleted; only names of exactly the segment pattern of this trace file
+    (and of its data-parallel rank files) are touched. ``clock`` gives wall-clock Unix seconds.
+    """
+
+    def __init__(self, path: str, retention_s: float, family: str, clock: Callable[[], float]) -> None:
+        self.path = path
+        self.retention_s = retention_s
+        self.period_s = rotation_period(retention_s)
+        self.clock = clock
+        self.names = SegmentNames(family)
+        self.directory = os.path.dirname(path) or "."
+        #: The end of the period of the newest record in the open file (None: the file is empty).
+        self.boundary: float | None = None
+        #: True until the file left at ``path`` by an earlier run has been looked at.
+        self.unknown_file = True
+        self._next_sweep = float("-inf")
+        self._warned: set[str] = set()
+
+    @property
+    def policy(self) -> str:
+        return (f"CF_TRACE_RETENTION={format_duration(self.retention_s)}, rotated "
+                f"{period_word(self.period_s)}")
+
+    def opened(self, info: os.stat_result) -> None:
+        """A descriptor on the file was opened: a file with records is dated by its last write."""
+        self.unknown_file = False
+        self.boundary = boundary_after(info.st_mtime, self.period_s) if info.st_size > 0 else None
+
+    def due(self, now: float) -> bool:
+        return self.boundary is not None and now >= self.boundary
+
+    def written(self, now: float) -> None:
+        end = boundary_after(now, self.period_s)
+        self.boundary = end if self.boundary is None else max(self.boundary, end)
+
+    def rename(self, path: str, now: float) -> bool:
+        """Rename the file to the segment of its period (never over an existing file); False on failure."""
+        assert self.boundary is not None
+        boundary = self.boundary
+        try:
+            copy = 1
+            while os.path.lexists(target := segment_path(path, boundary, copy)):
+                copy += 1
+            os.rename(path, target)
+        except OSError as exc:
+            self._warn_once(f"rotate:{boundary}", "request trace: cannot rotate %s (%s); records go on into it "
+                            "and the rotation is tried again with the next batch; fix: let the engine's user "
+                            "create and rename files in %s", path, exc.strerror or exc, self.directory)
+            return False
+        self.boundary = None
+        log.info("request trace: closed %s as %s (%s)", os.path.basename(path), os.path.basename(target),
+                 self.policy)
+        self._next_sweep = float("-inf")  # a boundary passed: look for segments that expired with it
+        return True
+
+    def sweep_if_due(self, now: float) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError as exc:
+            self._warn_once("scan", "request trace: cannot list %s to delete expired trace segments (%s); fix: "
+                            "let the engine's user read that directory", self.directory, exc.strerror or exc)
+            return
+        for entry in sorted(entries, key=lambda e: e.name):
+            segment = self.names.match(entry.name)
+            if segment is None:
+                continue
+            age = now - segment.closed_at
+            if age <= self.retention_s:
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False):  # never ours: we write regular files only
+                    continue
+                os.unlink(entry.path)
+            except FileNotFoundError:  # another rank's sink deleted it first
+                continue
+            except OSError as exc:
+                self._warn_once(f"delete:{entry.name}", "request trace: cannot delete expired trace segment %s "
+                                "(%s); fix: let the engine's user delete files in %s", entry.path,
+                                exc.strerror or exc, self.directory)
+                continue
+            log.info("request trace: deleted expired trace segment %s (age %s: its newest record is older than "
+                     "%s; %s)", entry.path, format_duration(age), format_duration(self.retention_s), self.policy)
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
 
 
 def span_attributes(record: Record) -> dict[str, Any]:
@@ -316,7 +489,7 @@ def build_sinks(tracing: TraceConfig | None, feed: MetricsFeed | None = None, dp
     sinks: list[Sink] = []
     file = tracing.file_of_rank(dp_rank) if tracing is not None else None
     if tracing is not None and file:
-        sinks.append(JsonlSink(file, private=tracing.full))
+        sinks.append(JsonlSink(file, private=tracing.full, retention_s=tracing.retention_s, family=tracing.file))
     if tracing is not None and tracing.otlp:
         sinks.append(OtlpSink(tracing.otlp, timeout_s=tracing.export_timeout_s))
     if feed is not None:

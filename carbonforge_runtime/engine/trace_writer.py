@@ -59,6 +59,7 @@ class SinkWorker:
         self._abandoned = False
         self._deadline: float | None = None
         self._inflight = 0  # records of the batch being written
+        self._maintain_error = ""  # the last upkeep failure logged, so it is logged once
         self._lock = threading.Lock()  # guards the buffer, the in-flight count and the stats
         self._thread = threading.Thread(target=self._run, name=f"cf-trace-{sink.name}", daemon=True)
 
@@ -119,6 +120,7 @@ class SinkWorker:
             if not self._buffer:
                 if self._closing or self._abandoned:
                     return
+                self._maintain()
                 self._wake.wait(POLL_INTERVAL_S)
                 self._wake.clear()
                 continue
@@ -154,6 +156,20 @@ class SinkWorker:
                     self.log.warning("%s: sink %s works again", self.label, self.sink.name)
                 backoff = self.config.backoff_initial_s
                 break
+
+    def _maintain(self) -> None:
+        """Let a sink that keeps its output tidy (the trace file's retention) do so while idle; a failure
+        there is logged once per message and never stops the worker."""
+        maintain = getattr(self.sink, "maintain", None)
+        if maintain is None:
+            return
+        try:
+            maintain()
+        except Exception as exc:
+            message = str(exc) or type(exc).__name__
+            if message != self._maintain_error:
+                self._maintain_error = message
+                self.log.warning("%s: upkeep of sink %s failed: %s", self.label, self.sink.name, message)
 
     def _failed(self, error: str) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from carbonforge_runtime.core.api_contract import EFFORTS
 from carbonforge_runtime.core.contract import StepLogConfig, TraceConfig, full_level_banner_lines
 from carbonforge_runtime.core.ordering.registry import make_family
 from carbonforge_runtime.core.redaction import redact_args, redact_url
+from carbonforge_runtime.core.trace_retention import format_duration, period_word, rotation_period
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
 from carbonforge_runtime.recipes import Recipe, resolve
 from carbonforge_runtime.runtime.engine_env.compile_cache import CompileCacheEnv, engine_cache_env, resolve_root
@@ -172,7 +173,7 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     messages: list[Message] = []
     group = resolve_group(settings, options.group_flags())
     check_no_group_flags([*settings.vllm_extra_args, *options.vllm_args])
-    trace = _trace_config(options, environ, cwd, messages)
+    trace = _trace_config(options, settings, environ, cwd, messages)
     # The engine sees only the variables a serving engine reads (and those the operator adds), never
     # what only the runtime may read.
     base_env = engine_environment(environ, parse_pass_list(settings.engine_env_pass), never=RUNTIME_ONLY_VARIABLES)
@@ -317,14 +318,22 @@ def _nothing_to_serve(options: ServeOptions, environ: Mapping[str, str]) -> Usag
     )
 
 
-def _trace_config(options: ServeOptions, environ: Mapping[str, str], cwd: str | None,
+def _trace_config(options: ServeOptions, settings: Settings, environ: Mapping[str, str], cwd: str | None,
                   messages: list[Message]) -> TraceConfig | None:
-    """Validate the tracing flags (errors raise); their warnings join ``messages``."""
+    """Validate the tracing flags (errors raise); their warnings join ``messages``. The trace file's
+    retention comes from CF_TRACE_RETENTION."""
     decision = resolve_trace_options(
         options.request_trace, options.trace_file, options.trace_endpoint, options.trace_format, environ, cwd=cwd
     )
     messages += [Message("warning", line) for line in decision.warnings]
     trace = decision.config
+    retention = settings.trace_retention_s
+    if trace is not None and retention is not None:
+        if trace.file:
+            trace = replace(trace, retention_s=retention)
+        else:
+            messages.append(Message("info", "request trace: CF_TRACE_RETENTION applies to trace files, and there "
+                                            "is none (--trace-file); the collector keeps spans by its own policy"))
     if trace is not None:
         messages.append(Message("info", f"request trace: {describe_trace(trace, options)}"))
         messages += [Message("info", f"request trace: {line}") for line in decision.notes]
@@ -349,7 +358,11 @@ def describe_trace(trace: TraceConfig | None, options: ServeOptions) -> str:
         return "off" if options.request_trace in ("off", "", None) else f"off ({options.request_trace} has no sink)"
     sinks = []
     if trace.file:
-        sinks.append(f"file {trace.file_shown}")
+        kept = ""
+        if trace.retention_s is not None:
+            kept = (f" (rotated {period_word(rotation_period(trace.retention_s))}, segments deleted "
+                    f"{format_duration(trace.retention_s)} after their newest record: CF_TRACE_RETENTION)")
+        sinks.append(f"file {trace.file_shown}{kept}")
     if trace.otlp:
         sinks.append(f"OTLP {trace.otlp.protocol} {redact_url(trace.otlp.endpoint)}")
     return f"{trace.level} -> {', '.join(sinks)}"
