@@ -66,10 +66,11 @@ def stamp(boundary: float) -> str:
 
 def _split(path: str) -> tuple[str, str, str]:
     """``/logs/requests.dp1.jsonl`` -> (``/logs/``, ``requests.dp1``, ``.jsonl``); the suffix is the
-    last one, as for the rank files (``core.contract.rank_file``)."""
+    last one, as for the rank files (``core.contract.rank_file``), and none for ``traces`` or its rank
+    file ``traces.dp1``."""
     head, sep, name = path.rpartition("/")
     stem, dot, suffix = name.rpartition(".")
-    if not (dot and stem):
+    if not (dot and stem) or re.fullmatch(r"dp\d+", suffix):  # ``traces.dp1``: the rank file of ``traces``
         return head + sep, name, ""
     return head + sep, stem, "." + suffix
 

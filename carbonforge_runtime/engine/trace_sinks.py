@@ -286,8 +286,8 @@ class Rotation:
             os.rename(path, target)
         except OSError as exc:
             self._warn_once(f"rotate:{boundary}", "request trace: cannot rotate %s (%s); records go on into it "
-                            "and the rotation is tried again with the next batch; fix: let the engine's user "
-                            "create and rename files in %s", path, exc.strerror or exc, self.directory)
+                            "and it is rotated at a later boundary; fix: let the engine's user create and rename "
+                            "files in %s", path, exc.strerror or exc, self.directory)
             return False
         self.boundary = None
         log.info("request trace: closed %s as %s (%s)", os.path.basename(path), os.path.basename(target),
