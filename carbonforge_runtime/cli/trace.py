@@ -185,11 +185,6 @@ def show_request(
 
             typer.echo(json.dumps(request.to_json(), indent=2))
         else:
-            typer.echo(catalog.render_request(request, _prompt_messages()))
+            typer.echo(catalog.render_request(request))
 
     _guard(run)
-
-
-def _prompt_messages() -> Any:
-    """The chat-prompt parser where this installation has one (None: prompts are shown as recorded)."""
-    return None

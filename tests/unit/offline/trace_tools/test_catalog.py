@@ -500,3 +500,21 @@ def test_cli_show_of_an_unknown_id_names_trace_list(tmp_path: Path) -> None:
     assert "error: no request with the id 'chatcmpl-zz'" in result.stderr
     assert f"trace list {path}" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_show_renders_messages_where_a_parser_reads_the_prompt_and_the_prompt_where_it_cannot() -> None:
+    found = catalog.Found("t.jsonl", 1, full_conversation()[0], "request_id")
+    request = catalog.Request("chatcmpl-aa", [found], [], 0, [])
+
+    def parse(prompt: str) -> list[dict[str, Any]]:
+        assert prompt.startswith("<|im_start|>user")
+        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+
+    def refuse(prompt: str) -> list[dict[str, Any]]:
+        raise ValueError("not a template this parser knows")
+
+    parsed = catalog.render_request(request, parse)
+    assert "  messages:\n    [system]\n      Be brief.\n    [user]\n      What is 2+2?" in parsed
+    assert "chat template included" not in parsed
+    fallback = catalog.render_request(request, refuse)
+    assert "  prompt (as the engine served it, chat template included):\n    <|im_start|>user" in fallback
