@@ -222,6 +222,9 @@ def doctor(
     json_output: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
     metrics: bool = typer.Option(False, "--metrics", help="Also check that the metrics port is free."),
     trace_file: str | None = typer.Option(None, "--trace-file", help="Also check that this trace file can be written."),
+    request_trace: str | None = typer.Option(None, "--request-trace",
+                                             help="The trace level serve will run with (off, standard or full), "
+                                                  "for the trace policy line."),
     deep: bool = typer.Option(False, "--deep", help="Also hash every cached weight file and compare it with the "
                               "sha256 that fetch recorded in the lock (slow: reads the whole model)."),
 ) -> None:
@@ -232,7 +235,8 @@ def doctor(
     from carbonforge_runtime.runtime.doctor import DoctorRequest, run_doctor
 
     def run() -> int:
-        request = DoctorRequest(context_key=context_key, metrics=metrics, trace_file=trace_file, deep=deep)
+        request = DoctorRequest(context_key=context_key, metrics=metrics, trace_file=trace_file, deep=deep,
+                                request_trace=request_trace)
         text, code = run_doctor(request, os.environ, gpu_backend(), json_output=json_output)
         typer.echo(text)
         return code

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from carbonforge_runtime import PINNED_VLLM_VERSION
+from carbonforge_runtime.core.trace_record import LEVEL_FULL, LEVELS
+from carbonforge_runtime.core.trace_retention import format_duration, period_word, rotation_period
 from carbonforge_runtime.gpu.types import GpuDevice, GpuProcess, GpuSnapshot
 from carbonforge_runtime.recipes.hardware import hardware_mismatches
 from carbonforge_runtime.runtime.doctor.facts import (
@@ -21,6 +23,7 @@ from carbonforge_runtime.runtime.doctor.facts import (
     DoctorFacts,
     PathFacts,
     RecipeFacts,
+    TracePolicyFacts,
     WeightsFacts,
 )
 from carbonforge_runtime.runtime.doctor.model import (
@@ -447,7 +450,40 @@ def tracing_checks(facts: DoctorFacts) -> list[Check]:
         checks.append(_directory(TRACING, "tracing.trace_file", "trace file directory", facts.trace_dir, FAIL,
                                  "mount a writable volume there (e.g. -v carbonforge-logs:/var/log/carbonforge) "
                                  "or point --trace-file at a writable directory"))
+    if facts.trace_policy is not None:
+        checks += _trace_policy(facts.trace_policy, facts.mode == PREFLIGHT)
     return checks
+
+
+#: The fix for full-level trace files kept forever.
+RETENTION_REMEDY = ("set CF_TRACE_RETENTION (e.g. CF_TRACE_RETENTION=7d) so the trace file rotates and segments "
+                    "older than that are deleted, or trace at --request-trace standard, which records no text")
+
+
+def _trace_policy(policy: TracePolicyFacts, preflight: bool) -> list[Check]:
+    """The trace level, where trace files go and how long they are kept; a WARN when full-level files,
+    which hold every prompt and answer, are kept forever. Before a launch only the WARN is reported."""
+    name = "tracing.retention"
+    if policy.level not in LEVELS:
+        return [Check(TRACING, name, WARN, f"--request-trace {policy.level!r} is not a trace level",
+                      "use --request-trace off, standard or full")]
+    level = (f"trace level {policy.level}" if policy.level_given else
+             "trace level not given (serve's default is off; pass --request-trace LEVEL to check one)")
+    files = f"trace file {policy.files}" if policy.files else "no trace file"
+    if policy.retention_problem:
+        return [Check(TRACING, name, WARN, f"{level}, {files}; CF_TRACE_RETENTION cannot be used: "
+                                           f"{policy.retention_problem}", policy.retention_remedy)]
+    if policy.retention_s is None:
+        if policy.level == LEVEL_FULL and (policy.files or not preflight):
+            return [Check(TRACING, name, WARN, f"{level}, {files}: full-level trace files hold every prompt and "
+                                               "answer and are kept forever (CF_TRACE_RETENTION unset)",
+                          RETENTION_REMEDY)]
+        kept = "trace files are kept forever (CF_TRACE_RETENTION unset)"
+    else:
+        retention = format_duration(policy.retention_s)
+        kept = (f"trace files rotate {period_word(rotation_period(policy.retention_s))} and each segment is deleted "
+                f"{retention} after its newest record (CF_TRACE_RETENTION={retention})")
+    return [] if preflight else [Check(TRACING, name, OK, f"{level}, {files}; {kept}")]
 
 
 def _directory(section: str, name: str, what: str, path: PathFacts, status: str, remedy: str) -> Check:
@@ -830,6 +866,11 @@ CHECKS: tuple[CheckInfo, ...] = (
               "either is missing, so `--trace-endpoint` spans would be dropped (WARN)"),
     CheckInfo("tracing.trace_file", TRACING, "the directory of `--trace-file`",
               "it cannot be written (FAIL)"),
+    CheckInfo("tracing.retention", TRACING, "the trace level (`--request-trace`), where trace files go "
+              "(`--trace-file`, one file per rank with data parallel) and how long they are kept "
+              "(`CF_TRACE_RETENTION`)",
+              "full-level trace files, which hold every prompt and answer, are kept forever because "
+              "`CF_TRACE_RETENTION` is unset, or `CF_TRACE_RETENTION` or the level is not valid (WARN)"),
     CheckInfo("storage.hf_cache", STORAGE, "the Hugging Face hub cache",
               "it cannot be written while weights still have to be downloaded (FAIL, WARN without a recipe); a "
               "read-only cache is fine with `HF_HUB_OFFLINE=1`"),

@@ -30,6 +30,7 @@ from carbonforge_runtime.runtime.doctor.facts import (
     Probes,
     RecipeFacts,
     SettingProblem,
+    TracePolicyFacts,
     WeightsFacts,
 )
 from carbonforge_runtime.runtime.doctor.probes import SystemProbes
@@ -228,6 +229,7 @@ def collect_facts(
     trace_dir = None
     if request.trace_file:
         trace_dir = directory(str(Path(request.trace_file).expanduser().parent))
+    trace_policy = trace_policy_facts(request, settings, setting_problems, plan)
     want_hf_cache = not preflight or (weights is not None and weights.kind == "hub")
     compile_root = resolve_root(settings.compile_cache_dir, environ)
     compile_path, compile_source = cache_location(
@@ -253,6 +255,7 @@ def collect_facts(
                                      "show` for details, or pass the key again in CARBONFORGE_LICENSE_KEY")),
         otel=_guarded(probes.otel, lambda exc: None) if (not preflight or request.trace_endpoint) else None,
         trace_dir=trace_dir,
+        trace_policy=trace_policy,
         hf_cache=directory(cache_dir) if want_hf_cache else None,
         hf_cache_source=cache_source,
         weights=weights,
@@ -264,6 +267,24 @@ def collect_facts(
                                                  if environ.get(name)),
         group=group_facts(settings, probes),
     )
+
+
+def trace_policy_facts(request: DoctorRequest, settings: Settings, setting_problems: tuple[SettingProblem, ...],
+                       plan: LaunchPlan | None) -> TracePolicyFacts | None:
+    """Before a launch, the trace settings the engine gets (None with tracing off); for the doctor, the
+    level and file it was given (the level off when none) and CF_TRACE_RETENTION."""
+    if request.mode == PREFLIGHT:
+        trace = plan.contract.tracing if plan is not None and plan.contract is not None else None
+        if trace is None:
+            return None
+        return TracePolicyFacts(trace.level, files=trace.file_shown, retention_s=trace.retention_s)
+    problem = next((p for p in setting_problems if p.name == "CF_TRACE_RETENTION"), None)
+    level = (request.request_trace or "").strip().lower()
+    files = str(Path(request.trace_file).expanduser().absolute()) if request.trace_file else None
+    return TracePolicyFacts(level or "off", level_given=bool(level), files=files,
+                            retention_s=settings.trace_retention_s,
+                            retention_problem=problem.message if problem else "",
+                            retention_remedy=problem.remedy if problem else "")
 
 
 def group_facts(settings: Settings, probes: Probes) -> GroupFacts | None:

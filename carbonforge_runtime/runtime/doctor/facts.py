@@ -31,6 +31,8 @@ class DoctorRequest:
     metrics: bool = False
     trace_file: str | None = None
     trace_endpoint: str | None = None
+    #: The trace level the serve would run with (``doctor --request-trace``; None: not given, off).
+    request_trace: str | None = None
     #: ``doctor --deep``: hash every weight file against the lock fetch wrote (else sizes and times).
     deep: bool = False
 
@@ -105,6 +107,21 @@ class LicenseFacts:
 class OtelFacts:
     sdk_version: str | None
     exporter: bool
+
+
+@dataclass(frozen=True)
+class TracePolicyFacts:
+    """What becomes of trace records: the level, where the trace files go (None: no file), and how long
+    they are kept (CF_TRACE_RETENTION in seconds; None: forever)."""
+
+    level: str
+    #: Whether the level was given (``--request-trace``) rather than the default, off.
+    level_given: bool = True
+    files: str | None = None
+    retention_s: float | None = None
+    #: Why CF_TRACE_RETENTION cannot be used ("" when it is unset or valid), and its fix.
+    retention_problem: str = ""
+    retention_remedy: str = ""
 
 
 @dataclass(frozen=True)
@@ -218,6 +235,7 @@ class DoctorFacts:
     license: LicenseFacts | None = None
     otel: OtelFacts | None = None
     trace_dir: PathFacts | None = None
+    trace_policy: TracePolicyFacts | None = None
     hf_cache: PathFacts | None = None
     hf_cache_source: str = ""
     weights: WeightsFacts | None = None
@@ -281,5 +299,6 @@ __all__ = [
     "RecipeFacts",
     "RuntimeFacts",
     "SettingProblem",
+    "TracePolicyFacts",
     "WeightsFacts",
 ]

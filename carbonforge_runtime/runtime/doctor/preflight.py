@@ -171,6 +171,7 @@ def preflight(
         metrics=options.metrics,
         trace_file=options.trace_file,
         trace_endpoint=options.trace_endpoint,
+        request_trace=options.request_trace,
     )
     facts = collect_facts(request, settings, environ, gpu, probes=probes, plan=plan.launch, snapshot=snapshot)
     problems = [check for check in run_checks(facts) if check.status != OK]

@@ -88,7 +88,7 @@ def test_broken_host_report(tmp_path: Path) -> None:
     )
     env = {"CF_MAX_MODEL_LEN": "32768", "HF_HUB_OFFLINE": "1", "HUGGINGFACE_HUB_CACHE": "/models/hub"}
     text, document = report(tmp_path, "snapshot-80b:fp8:chat:h100x2", snapshot, probes, env,
-                            metrics=True, trace_file="/traces/requests.jsonl")
+                            metrics=True, trace_file="/traces/requests.jsonl", request_trace="full")
     assert text.endswith("doctor: FAIL\n")
     assert_snapshot("doctor_broken.txt", text)
     assert_snapshot("doctor_broken.json", document)
