@@ -15,8 +15,10 @@ before vLLM does. In order:
 4. **The contract.** A JSON POST to a route of
    :data:`~carbonforge_runtime.core.api_contract.ROUTES` is judged by
    :func:`~carbonforge_runtime.core.api_contract.check_request`: an accepted body goes on (rewritten
-   where the effort needs mapping), a refused one is answered in the OpenAI error shape. Chat
-   answers get ``reasoning_content`` beside vLLM's ``reasoning``.
+   where the effort needs mapping, and with the request's tags, from its ``metadata`` and its
+   ``X-CF-Task`` header, and its model name in ``vllm_xargs`` for the engine's trace record), a
+   refused one is answered in the OpenAI error shape. Chat answers get ``reasoning_content`` beside
+   vLLM's ``reasoning``.
 
 Routes are matched the way Starlette matches them: the path without ``--root-path``.
 """
@@ -45,6 +47,7 @@ from carbonforge_runtime.core.api_contract import (
     route_path,
     too_large_error,
 )
+from carbonforge_runtime.core.request_tags import TASK_HEADER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -191,6 +194,7 @@ def key_verdict(scope: Scope, digests: tuple[bytes, ...]) -> ApiError | None:
     return None if matched and scheme.lower() == b"bearer" else auth_error(key_sent=True)
 
 
+_TASK_HEADER = TASK_HEADER.lower().encode()
 #: The probes: what load balancers ask before they send a request.
 PROBES = frozenset({"/health", "/ping"})
 METRICS_PATH = "/metrics"
@@ -247,7 +251,7 @@ class RequestContract:
             return
         target = ROUTES.get(route) if scope.get("method") == "POST" else None
         if target is not None:
-            verdict = check_request(route, body, contract=self.contract)
+            verdict = check_request(route, body, contract=self.contract, task_header=_header(scope, _TASK_HEADER))
             if isinstance(verdict, ApiError):
                 await _respond(send, verdict)
                 return

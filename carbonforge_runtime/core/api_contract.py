@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from carbonforge_runtime.core.contract import ContractError
+from carbonforge_runtime.core.request_tags import RESERVED_ARGS, TagError, request_tags, tag_args
 from carbonforge_runtime.settings import DEFAULT_MAX_REQUEST_BYTES
 
 API_CONTRACT_VERSION = 1
@@ -43,6 +44,8 @@ NO_THINKING = "off"
 CHAT_PATH = "/v1/chat/completions"
 RESPONSES_PATH = "/v1/responses"
 INVOCATIONS_PATH = "/invocations"
+COMPLETIONS_PATH = "/v1/completions"
+GENERATE_PATH = "/inference/v1/generate"
 
 
 @dataclass(frozen=True)
@@ -51,28 +54,38 @@ class Route:
 
     ``kind`` is ``chat`` (one conversation in ``messages``), ``chat_batch`` (a list of conversations),
     ``responses`` (the Responses API: effort in ``reasoning.effort``), ``invocation`` (SageMaker's
-    route: chat when the body has ``messages``, a completion otherwise) or ``json`` (the body must
-    be a JSON object, nothing more). ``answers`` is true where the answer is a generated chat
-    completion, which gets ``reasoning_content`` beside vLLM's ``reasoning``.
+    route: chat when the body has ``messages``, a completion otherwise), ``generate`` (vLLM's
+    token-in, token-out route: ``vllm_xargs`` is ``sampling_params.extra_args`` there) or ``json``
+    (the body must be a JSON object, nothing more). ``answers`` is true where the answer is a
+    generated chat completion, which gets ``reasoning_content`` beside vLLM's ``reasoning``.
+
+    ``tags`` is true where the request reaches the engine: it gets the request's tags and the model
+    name it asks for in ``vllm_xargs`` (:mod:`~carbonforge_runtime.core.request_tags`), its
+    ``metadata`` read as tags where ``metadata`` is true (the OpenAI field; Anthropic's
+    ``/v1/messages`` and ``generate`` have none of that shape). On every route, values a client
+    puts under the reserved ``vllm_xargs`` keys are dropped.
     """
 
     kind: str
     answers: bool = False
+    tags: bool = False
+    metadata: bool = True
 
 
 #: Every path of vLLM 0.32's API server whose handler takes a JSON body the contract judges, by the
 #: path as routed (after the root path). A path absent here is not looked at.
 ROUTES: Mapping[str, Route] = {
-    CHAT_PATH: Route("chat", answers=True),
+    CHAT_PATH: Route("chat", answers=True, tags=True),
     "/v1/chat/completions/render": Route("chat"),
-    "/v1/chat/completions/batch": Route("chat_batch", answers=True),
-    INVOCATIONS_PATH: Route("invocation", answers=True),
-    RESPONSES_PATH: Route("responses"),
+    "/v1/chat/completions/batch": Route("chat_batch", answers=True, tags=True),
+    INVOCATIONS_PATH: Route("invocation", answers=True, tags=True),
+    RESPONSES_PATH: Route("responses", tags=True),
     "/v1/responses/render": Route("responses"),
-    "/v1/completions": Route("json"),
+    COMPLETIONS_PATH: Route("json", tags=True),
     "/v1/completions/render": Route("json"),
     "/v1/embeddings": Route("json"),
-    "/v1/messages": Route("json"),
+    "/v1/messages": Route("json", tags=True, metadata=False),
+    GENERATE_PATH: Route("generate", tags=True, metadata=False),
 }
 #: Endpoints whose body must be a JSON object (some get the full check: see :data:`ROUTES`).
 JSON_PATHS = frozenset(ROUTES)
@@ -237,10 +250,11 @@ def _wants_tools(request: Mapping[str, Any]) -> bool:
     return bool(request.get("tools")) and request.get("tool_choice") != "none"
 
 
-def check_request(path: str, body: bytes, contract: ApiContract) -> bytes | ApiError:
+def check_request(path: str, body: bytes, contract: ApiContract, task_header: bytes = b"") -> bytes | ApiError:
     """The body to forward for a POST to ``path`` (the routed path, see :func:`route_path`): ``body``
     itself when nothing changes, a rewritten body, or the error to answer with. Paths outside
-    :data:`ROUTES` are not looked at."""
+    :data:`ROUTES` are not looked at. ``task_header`` is the request's ``X-CF-Task`` header
+    (``b""``: none), recorded as the tag ``task``."""
     route = ROUTES.get(path)
     if route is None:
         return body
@@ -250,15 +264,49 @@ def check_request(path: str, body: bytes, contract: ApiContract) -> bytes | ApiE
         return ApiError(400, MSG_INVALID_JSON, None, "invalid_json")
     if not isinstance(request, dict):
         return ApiError(400, MSG_INVALID_JSON, None, "invalid_json")
+    verdict: bytes | ApiError = body
     if route.kind == "chat":
-        return _check_chat(body, request, contract, budget=True)
-    if route.kind == "chat_batch":  # vLLM's batch request has no thinking_token_budget
-        return _check_chat(body, request, contract, budget=False)
-    if route.kind == "invocation":  # vLLM tries a chat request first, then a completion
-        return _check_chat(body, request, contract, budget=True) if "messages" in request else body
-    if route.kind == "responses":
-        return _check_responses(request, body, contract)
-    return body
+        verdict = _check_chat(body, request, contract, budget=True)
+    elif route.kind == "chat_batch":  # vLLM's batch request has no thinking_token_budget
+        verdict = _check_chat(body, request, contract, budget=False)
+    elif route.kind == "invocation":  # vLLM tries a chat request first, then a completion
+        verdict = _check_chat(body, request, contract, budget=True) if "messages" in request else body
+    elif route.kind == "responses":
+        verdict = _check_responses(request, body, contract)
+    if isinstance(verdict, ApiError):
+        return verdict
+    return _tagged(verdict, body, request, route, task_header)
+
+
+def _tagged(verdict: bytes, body: bytes, request: dict[str, Any], route: Route, task_header: bytes) -> bytes | ApiError:
+    """``verdict`` (the body to forward, parsed from ``body`` as ``request``) with the request's tags and
+    model name in ``vllm_xargs`` where the route reaches the engine, and without a client's values
+    under the reserved keys on every route."""
+    added: dict[str, str] = {}
+    if route.tags:
+        tags = request_tags(request.get("metadata") if route.metadata else None, task_header)
+        if isinstance(tags, TagError):
+            return ApiError(400, tags.message, tags.param, tags.code)
+        added = tag_args(tags, request.get("model"))
+    if route.kind != "generate" and "vllm_xargs" not in request:  # the common case: add, no re-serialising
+        return _with_fields(verdict, {"vllm_xargs": added}) if added else verdict
+    document = request if verdict is body else orjson.loads(verdict)
+    holder: Any = document
+    if route.kind == "generate":
+        holder = document.get("sampling_params")
+        if not isinstance(holder, dict):
+            return verdict  # vLLM refuses it
+    key = "extra_args" if route.kind == "generate" else "vllm_xargs"
+    xargs = holder.get(key)
+    if xargs is None:
+        xargs = {}
+    if not isinstance(xargs, dict):
+        return verdict  # vLLM refuses it
+    kept = {k: v for k, v in xargs.items() if k not in RESERVED_ARGS}
+    if len(kept) == len(xargs) and not added:
+        return verdict
+    holder[key] = {**kept, **added}
+    return orjson.dumps(document)
 
 
 def _check_chat(body: bytes, request: dict[str, Any], contract: ApiContract, budget: bool) -> bytes | ApiError:

@@ -129,13 +129,15 @@ def test_vllm_checks_the_key_and_its_401_is_reshaped(monkeypatch: pytest.MonkeyP
     run(go())
 
 
-def test_a_model_without_reasoning_passes_bodies_and_answers_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_without_reasoning_passes_bodies_and_answers_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     async def go() -> None:
         async with app(monkeypatch, ApiContract(tools=True), None) as client:
             raw = orjson.dumps({**CHAT, "max_tokens": 3})
             answer = await client.post("/v1/chat/completions", content=raw)
             data = answer.json()
-            assert data["received"] == orjson.loads(raw) and int(data["length"]) == len(raw)
+            # as sent, but for the model name the engine's trace record gets in vllm_xargs
+            assert data["received"] == {**orjson.loads(raw), "vllm_xargs": {"cf_model": "m"}}
+            assert int(data["length"]) == len(raw) + len(b',"vllm_xargs":{"cf_model":"m"}')
             assert "reasoning_content" not in data["choices"][0]["message"]
     run(go())
 

@@ -95,8 +95,10 @@ def test_a_budget_the_client_sets_is_kept() -> None:
 def test_a_model_without_reasoning_gets_no_template_arguments() -> None:
     sent = forwarded(check_request(CHAT, body(chat_template_kwargs={"reasoning_effort": "medium"}), PLAIN))
     assert "chat_template_kwargs" not in sent and "thinking_token_budget" not in sent
-    untouched = body(max_tokens=3)
-    assert check_request(CHAT, untouched, PLAIN) is untouched
+    untouched = body(max_tokens=3)  # only the model name for the trace is added, to the text as sent
+    assert check_request(CHAT, untouched, PLAIN) == untouched[:-1] + b',"vllm_xargs":{"cf_model":"m"}}'
+    no_model = orjson.dumps({"messages": MESSAGES, "max_tokens": 3})
+    assert check_request(CHAT, no_model, PLAIN) is no_model
 
 
 def test_malformed_json_and_missing_messages() -> None:
@@ -108,7 +110,7 @@ def test_malformed_json_and_missing_messages() -> None:
     assert (error.status, error.message, error.param) == (400, MSG_MISSING_MESSAGES, "messages")
     # completions need valid JSON, not messages; other paths are not looked at
     assert isinstance(check_request("/v1/completions", b"{bad", QWEN3), ApiError)
-    ok = b'{"model": "m", "prompt": "x"}'
+    ok = b'{"prompt": "x"}'
     assert check_request("/v1/completions", ok, QWEN3) is ok
     assert check_request("/v1/audio/transcriptions", b"--multipart--", QWEN3) == b"--multipart--"
 
@@ -153,8 +155,10 @@ def test_the_contract_round_trips_and_refuses_what_it_does_not_know() -> None:
 def test_default_effort_fields_are_added_to_the_text_as_sent(raw: bytes) -> None:
     sent = check_request(CHAT, raw, QWEN3)
     assert isinstance(sent, bytes) and sent.startswith(raw.rstrip()[:-1].rstrip())
+    model = orjson.loads(raw).get("model")
     assert orjson.loads(sent) == {**orjson.loads(raw), "chat_template_kwargs": {"enable_thinking": True},
-                                  "thinking_token_budget": 1024}
+                                  "thinking_token_budget": 1024,
+                                  **({"vllm_xargs": {"cf_model": model}} if model else {})}
 
 
 @pytest.mark.parametrize("value", ['"plain"', '"with \\"quotes\\" and \\\\ slashes"', "null", '""'])
