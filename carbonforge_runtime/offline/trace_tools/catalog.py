@@ -365,7 +365,7 @@ def _parse_slow(line: bytes | str) -> Any:
 # trace list
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Row:
     """One line of the table: what it shows of a record, and where the record is."""
 
@@ -404,7 +404,6 @@ class Page:
     bad_line_examples: list[BadLine]
     #: Valid records read.
     records: int
-    limit: int = DEFAULT_LIMIT
 
     def to_json(self) -> dict[str, Any]:
         extra = self.query.sort not in ROW_FIELDS
@@ -439,7 +438,7 @@ def list_requests(paths: Sequence[Path], query: Query, limit: int = DEFAULT_LIMI
         raise UsageError(f"--limit {limit} is negative", "give the number of rows per page, or 0 for every row")
     after = decode_cursor(query, cursor) if cursor is not None else None
     files = trace_files(paths)
-    for path in files:  # every file before the first is read: a typo fails at once
+    for path in files:  # all checked before the long read, so a mistyped name fails at once
         check_readable(path)
     names = [str(path.resolve()) for path in files]
     ranks = sorted({*names, *([after.file] if after is not None else [])})
@@ -507,7 +506,7 @@ def list_requests(paths: Sequence[Path], query: Query, limit: int = DEFAULT_LIMI
     page = Page(query=query, rows=rows, matched=matched, before=before, next_cursor=next_cursor,
                 files=problems.files, bad_lines=problems.total,
                 bad_line_examples=sorted(problems.examples, key=lambda bad: (bad.path, bad.line)),
-                records=sum(report.records for report in problems.files) - invalid, limit=limit)
+                records=sum(report.records for report in problems.files) - invalid)
     return page
 
 
