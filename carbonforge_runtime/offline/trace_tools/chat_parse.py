@@ -148,6 +148,8 @@ def _blocks(text: str) -> tuple[list[tuple[str, str]], str]:
     blocks: list[tuple[str, str]] = []
     pos = 0
     while True:
+        if pos == len(text) and blocks:
+            raise Unparsable("the prompt ends without the assistant's generation prompt")
         if not text.startswith(IM_START, pos):
             where = "the start" if pos == 0 else f"character {pos}"
             raise Unparsable(f"expected {IM_START} at {where} (is this prompt from another chat template?)")
@@ -336,8 +338,6 @@ def _parse_hermes(template: ChatTemplate, text: str) -> ParsedPrompt:
         elif role == "assistant":
             raw_assistant[len(messages)] = body
             messages.append({"role": "assistant"})
-        elif role == "system" and not dialect.history_reasoning:
-            raise Unparsable("this template does not render a system message after the first")
         else:
             messages.append({"role": role, "content": body})
     users = [i for i, message in enumerate(messages) if message["role"] == "user"]
@@ -354,6 +354,17 @@ def _parse_hermes(template: ChatTemplate, text: str) -> ParsedPrompt:
 
 def _hermes_assistant(dialect: _Hermes, message: dict[str, Any], body: str, *, after_query: bool,
                       last: bool) -> None:
+    reasoning: str | None = None
+    if after_query and body.startswith("<think>\n"):
+        close = body.find("\n</think>\n\n")
+        if close < 0:
+            raise Unparsable("an assistant turn's reasoning block is not closed")
+        reasoning, body = body[len("<think>\n"):close], body[close + len("\n</think>\n\n"):]
+        if not reasoning:
+            if not last:
+                raise Unparsable("an empty reasoning block in an assistant turn cannot be told apart from "
+                                 "whitespace-only reasoning")
+            reasoning = None
     start = body.find(_CALL_OPEN)
     calls: list[tuple[str, dict[str, Any]]] = []
     content = body
@@ -364,17 +375,6 @@ def _hermes_assistant(dialect: _Hermes, message: dict[str, Any], body: str, *, a
             if not content.endswith("\n"):
                 raise Unparsable("an assistant turn's tool call does not start on a new line")
             content = content[:-1]
-    reasoning: str | None = None
-    if after_query and content.startswith("<think>\n"):
-        close = content.find("\n</think>\n\n")
-        if close < 0:
-            raise Unparsable("an assistant turn's reasoning block is not closed")
-        reasoning, content = content[len("<think>\n"):close], content[close + len("\n</think>\n\n"):]
-        if not reasoning:
-            if not last:
-                raise Unparsable("an empty reasoning block in an assistant turn cannot be told apart from "
-                                 "whitespace-only reasoning")
-            reasoning = None
     message["content"] = content if content or not calls else None
     if reasoning is not None:
         message["reasoning_content"] = reasoning
