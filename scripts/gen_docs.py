@@ -382,6 +382,8 @@ def efforts_table() -> str:
 
 def api_errors_table() -> str:
     """The errors the runtime's request contract answers with, each produced by the code for an example."""
+    import orjson
+
     from carbonforge_runtime.core.api_contract import (
         CHAT_PATH,
         JSON_PATHS,
@@ -393,10 +395,12 @@ def api_errors_table() -> str:
         check_request,
         too_large_error,
     )
+    from carbonforge_runtime.core.request_tags import MAX_KEY_CHARS, MAX_TAGS, MAX_TASK_CHARS, MAX_VALUE_CHARS
     from carbonforge_runtime.settings import DEFAULT_MAX_REQUEST_BYTES
 
-    def refused(when: str, body: bytes, contract: ApiContract, path: str = CHAT_PATH) -> tuple[str, ...]:
-        error = check_request(path, body, contract)
+    def refused(when: str, body: bytes, contract: ApiContract, path: str = CHAT_PATH,
+                task_header: bytes = b"") -> tuple[str, ...]:
+        error = check_request(path, body, contract, task_header)
         if not isinstance(error, ApiError):
             raise GenerationError(f"the request contract no longer refuses {body!r} ({when})")
         return fields(when, error)
@@ -419,6 +423,16 @@ def api_errors_table() -> str:
                 b'{"input": "x", "reasoning": {"effort": "high"}}', thinking, RESPONSES_PATH),
         refused("`tools` sent (and `tool_choice` is not `none`) to a model served without a tool-call parser",
                 b'{"messages": [], "tools": [{"type": "function"}]}', ApiContract(tools=False)),
+        refused(f"`metadata` has more than {MAX_TAGS} pairs (the message says how many came)",
+                orjson.dumps({"messages": [], "metadata": {f"k{i}": "v" for i in range(MAX_TAGS + 1)}}), thinking),
+        refused(f"a `metadata` key is longer than {MAX_KEY_CHARS} characters (or empty)",
+                orjson.dumps({"messages": [], "metadata": {"k" * (MAX_KEY_CHARS + 1): "v"}}), thinking),
+        refused(f"a `metadata` value is longer than {MAX_VALUE_CHARS} characters",
+                orjson.dumps({"messages": [], "metadata": {"k": "v" * (MAX_VALUE_CHARS + 1)}}), thinking),
+        refused("`metadata` is not an object, or a value in it is not a string",
+                b'{"messages": [], "metadata": {"k": 1}}', thinking),
+        refused(f"the `X-CF-Task` header is longer than {MAX_TASK_CHARS} characters, or not printable UTF-8 text",
+                b'{"messages": []}', thinking, task_header=b"a\x01"),
         fields("keys are required and the request has no `Authorization` header", auth_error(key_sent=False)),
         fields("keys are required and the header holds another key (or is not `Bearer KEY`)",
                auth_error(key_sent=True)),
@@ -544,13 +558,20 @@ def api_routes_table() -> str:
         "responses": "JSON object, effort (`reasoning.effort`, `chat_template_kwargs`), tools; the effort "
                      "mapped, no thinking budget (vLLM's Responses API has none)",
         "json": "JSON object",
+        "generate": "JSON object (vLLM's token-in, token-out route)",
     }
-    rows = [(_code(path), "no", why, "") for path, why in PUBLIC_PATHS.items()]
-    rows += [(_code(path), "yes", checks[route.kind], "yes" if route.answers else "")
+
+    def tags(route: Any) -> str:
+        if not route.tags:
+            return ""
+        return "`metadata`, `X-CF-Task`" if route.metadata else "`X-CF-Task`"
+
+    rows = [(_code(path), "no", why, "", "") for path, why in PUBLIC_PATHS.items()]
+    rows += [(_code(path), "yes", checks[route.kind], "yes" if route.answers else "", tags(route))
              for path, route in sorted(ROUTES.items())]
-    rows.append(("any other path", "yes", "the size limit only", ""))
+    rows.append(("any other path", "yes", "the size limit only", "", ""))
     return _table(["Path", "Key needed", "Checked before vLLM (for an open path: why it is open)",
-                   "`reasoning_content` added"], rows)
+                   "`reasoning_content` added", "Tags recorded from"], rows)
 
 
 #: Every generated table: its marker name, the page it lives in, and the function that builds it.

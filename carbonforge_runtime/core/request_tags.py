@@ -77,7 +77,7 @@ def metadata_tags(metadata: Any) -> dict[str, str] | TagError:
                                    f"{MAX_KEY_CHARS} characters.", "empty_string")
         if len(key) > MAX_KEY_CHARS:
             return _metadata_error(
-                f"Invalid 'metadata': key '{key[:MAX_KEY_CHARS]}...' is too long. Expected a key with at most "
+                f"Invalid 'metadata': key '{key[:16]}...' is too long. Expected a key with at most "
                 f"{MAX_KEY_CHARS} characters, but got {len(key)} characters instead.", "string_above_max_length")
         if not isinstance(value, str):
             return _metadata_error(

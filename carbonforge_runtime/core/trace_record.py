@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from carbonforge_runtime.core.request_tags import model_from_arg, tags_from_arg
+
 LEVEL_OFF = "off"
 LEVEL_STANDARD = "standard"
 LEVEL_FULL = "full"
@@ -31,7 +33,8 @@ STANDARD_FIELDS = (
     "priority_score",
 )
 #: Fields this runtime adds at every level.
-EXTRA_FIELDS = ("finish_reason", "cached_prompt_tokens", "preemptions", "engine_request_id", "energy_j")
+EXTRA_FIELDS = ("finish_reason", "cached_prompt_tokens", "preemptions", "engine_request_id", "energy_j", "model",
+                "tags")
 #: Fields only the full level writes.
 FULL_FIELDS = ("prompt_text", "output_text")
 
@@ -63,6 +66,12 @@ FIELD_MEANINGS: dict[str, str] = {
     "sample `i` of `n > 1`), as vLLM's log shows it.",
     "energy_j": "GPU energy attributed to the request, in joules: `null` without NVML (CPU hosts, no "
     "`--gpus`), `0.0` for a request that never ran.",
+    "model": "The model name the client asked for (the request body's `model` as sent: a served model name or a "
+    "LoRA adapter's); `null` when the request named none (vLLM then serves its first served model name).",
+    "tags": "The request's tags, an object of string names to string values: the OpenAI `metadata` field as sent "
+    "(at most 16 pairs, names up to 64 characters, values up to 512; a request past that is refused with a 400), "
+    "and the `X-CF-Task` header as `task`, which wins over a `task` in `metadata`. `{}` when the request has none. "
+    "Every record of one request (each sample of `n > 1`, each prompt of `/v1/completions`) has the same tags.",
     "prompt_text": "The prompt exactly as the engine served it, chat template and special tokens included.",
     "output_text": "The generated text, decoded as the API decodes it (special tokens skipped unless the "
     "request asked otherwise).",
@@ -93,6 +102,10 @@ class Completion:
     skip_special_tokens: bool = True
     #: GPU joules attributed to the request (filled off the engine loop; None without NVML).
     energy_j: float | None = None
+    #: What the request carried in ``SamplingParams.extra_args`` under the reserved keys, as it was
+    #: (checked and parsed off the engine loop, by :func:`build_record`).
+    tags_arg: Any = None
+    model_arg: Any = None
 
 
 class Decoder(Protocol):
@@ -154,6 +167,8 @@ def build_record(
         "preemptions": done.preemptions,
         "engine_request_id": done.engine_request_id,
         "energy_j": done.energy_j,
+        "model": model_from_arg(done.model_arg),
+        "tags": tags_from_arg(done.tags_arg),
     }
     if level == LEVEL_FULL:
         prompt_text: str | None = None

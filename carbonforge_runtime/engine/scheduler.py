@@ -44,6 +44,7 @@ from carbonforge_runtime.core.contract import (
 from carbonforge_runtime.core.feed_protocol import EngineCounters
 from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
 from carbonforge_runtime.core.ordering.registry import make_family, pick_next
+from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG
 from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, Decoder, build_record, client_request_id
 from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
 from carbonforge_runtime.engine.metrics_feed import attach as attach_feed
@@ -503,6 +504,7 @@ class _CarbonForgeMixin:
             return
         full = self._cf_full
         params = request.sampling_params
+        extra = params.extra_args if params is not None else None
         writer.submit(Completion(
             engine_request_id=request.request_id,
             t_arrival=request.arrival_time,
@@ -518,6 +520,8 @@ class _CarbonForgeMixin:
             prompt_token_ids=request.prompt_token_ids if full else None,
             output_token_ids=request.output_token_ids if full else None,
             skip_special_tokens=params.skip_special_tokens if params is not None else True,
+            tags_arg=extra.get(TAGS_ARG) if extra else None,
+            model_arg=extra.get(MODEL_ARG) if extra else None,
         ))
 
     def _cf_close(self) -> None:

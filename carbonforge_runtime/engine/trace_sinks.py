@@ -332,6 +332,10 @@ class Rotation:
             log.warning(message, *args)
 
 
+#: Each of a record's tags is the span attribute ``cf.tag.<name>``.
+TAG_ATTRIBUTE_PREFIX = "cf.tag."
+
+
 def span_attributes(record: Record) -> dict[str, Any]:
     """The OTLP attributes of one record (``None`` values are left out: OTLP has no null)."""
     attrs: dict[str, Any] = {
@@ -350,6 +354,7 @@ def span_attributes(record: Record) -> dict[str, Any]:
         "cf.preemptions": ("preemptions", int),
         "cf.engine_request_id": ("engine_request_id", str),
         "cf.energy_j": ("energy_j", float),
+        "gen_ai.request.model": ("model", str),
         "gen_ai.prompt": ("prompt_text", str),
         "gen_ai.completion": ("output_text", str),
     }
@@ -357,6 +362,8 @@ def span_attributes(record: Record) -> dict[str, Any]:
         value = record.get(name)
         if value is not None:
             attrs[key] = kind(value)
+    for tag, value in (record.get("tags") or {}).items():
+        attrs[TAG_ATTRIBUTE_PREFIX + str(tag)] = str(value)
     return attrs
 
 
