@@ -102,6 +102,62 @@ print(json.dumps({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_ti
 """
 
 
+CASES_CHILD = """
+import json, sys
+import duckdb
+path, where = sys.argv[1], sys.argv[2]
+try:
+    query = f"SELECT request_id FROM read_json('{path}', format = 'newline_delimited') WHERE {where}"
+    rows = duckdb.sql(query).fetchall()
+    print(json.dumps({"outcome": f"{len(rows):,} row{'s' if len(rows) != 1 else ''}"}))
+except duckdb.Error as exc:
+    print(json.dumps({"outcome": "fails: " + str(exc).splitlines()[0].replace(path, "FILE")[:90]}))
+"""
+
+
+def robustness_cases(workdir: Path) -> list[tuple[str, Path, str, list[str], str]]:
+    """Small traces that are ordinary for the runtime and hard for a reader that infers a schema from
+    a sample: (what, file, DuckDB condition, trace list options, what the right answer is)."""
+    def rows(count: int, **extra: object) -> list[str]:
+        return [json.dumps({"request_id": f"r{i}", "t_arrival": 1_796_455_800.0 + i, "output_tokens": i % 9,
+                            "ttft_s": None, **extra}) for i in range(count)]
+    cases = []
+    damaged = rows(1000)
+    damaged[500] = damaged[500][:40]  # a line cut by a crash mid-write
+    path = workdir / "case-damaged.jsonl"
+    path.write_text("\n".join(damaged) + "\n")
+    cases.append(("one damaged line among 1,000", path, "output_tokens > 5", ["--filter", "output_tokens>5"],
+                  "333 rows, the bad line reported"))
+    late = [*rows(30_000), json.dumps({"request_id": "tagged", "t_arrival": 1_796_500_000.0, "output_tokens": 1,
+                                       "tags": {"task": "sql"}})]
+    path = workdir / "case-late-field.jsonl"
+    path.write_text("\n".join(late) + "\n")
+    cases.append(("tags first seen after 30,000 records", path, "tags.task = 'sql'", ["--task", "sql"], "1 row"))
+    typed = [*rows(30_000), json.dumps({"request_id": "fast", "t_arrival": 1_796_500_000.0, "output_tokens": 1,
+                                        "ttft_s": 0.5})]
+    path = workdir / "case-late-number.jsonl"
+    path.write_text("\n".join(typed) + "\n")
+    cases.append(("ttft_s null for 30,000 records, then a number", path, "ttft_s > 0.1", ["--filter", "ttft>0.1"],
+                  "1 row"))
+    path = workdir / "case-cut.jsonl.gz"
+    path.write_bytes(gzip.compress(("\n".join(rows(50_000)) + "\n").encode())[:-3000])
+    cases.append(("gzip cut short (copied while written)", path, "output_tokens > 5", ["--filter", "output_tokens>5"],
+                  "the rows before the cut, the damage reported"))
+    return cases
+
+
+def ours_outcome(path: Path, options: list[str]) -> str:
+    done = subprocess.run([sys.executable, "-m", "carbonforge_runtime", "trace", "list", str(path), *options,
+                           "--json", "--limit", "0"], capture_output=True, text=True, cwd=REPO, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode != 0:
+        return "fails: " + done.stderr.strip().splitlines()[0].replace(str(path), "FILE")[:90]
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    noted = f", {len(warnings)} warning{'s' if len(warnings) != 1 else ''}" if warnings else ""
+    count = len(json.loads(done.stdout)["rows"])
+    return f"{count:,} row{'s' if count != 1 else ''}{noted}"
+
+
 def write_trace(path: Path, records: int, seed: int = 3) -> None:
     """Standard-level records at about 1,000 requests/s, tagged with a model, tenant and task."""
     rng = random.Random(seed)
@@ -142,7 +198,7 @@ def run_child(argv: list[str]) -> dict:
     try:
         data = json.loads(output)
     except ValueError:
-        data = {}
+        raise SystemExit(f"child printed no figures: {' '.join(argv[:2])} ...: {output[-500:]!r}") from None
     data["peak_rss_mib"] = usage.ru_maxrss / 1024.0
     data["child_wall_s"] = time.perf_counter() - start
     data["child_cpu_s"] = usage.ru_utime + usage.ru_stime
@@ -227,6 +283,11 @@ def main() -> int:
                      f"of a {DEEP:,}-row page: {deep['peak_rss_mib'] - runs[0][1]['peak_rss_mib']:.1f} MiB")
         if checks:
             lines.append(f"DuckDB's pages equal ours: {'yes' if all(checks) else 'NO'} ({sum(checks)}/{len(checks)})")
+        if args.duckdb:
+            lines += ["", "| input | right answer | trace list | DuckDB read_json |", "|---|---|---|---|"]
+            for what, path, where, options, right in robustness_cases(workdir):
+                theirs = run_child([py, "-c", CASES_CHILD, str(path), where])["outcome"]
+                lines.append(f"| {what} | {right} | {ours_outcome(path, options)} | {theirs} |")
         text = "\n".join(lines)
         print()
         print(text)
