@@ -8,8 +8,6 @@ import calendar
 import json
 import logging
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -383,7 +381,6 @@ def test_the_writer_thread_does_the_upkeep_while_idle(tmp_path: Path, caplog: py
         writer.close()
     assert lines(path) == [{"n": 1}]
     assert len([r for r in caplog.records if "upkeep of sink broken failed: upkeep broke" in r.getMessage()]) == 1
-    assert threading.active_count() >= 1
 
 
 # --- reading the segments -----------------------------------------------------------------------
@@ -417,4 +414,3 @@ def test_trace_summarize_reads_the_segments_as_one_trace(tmp_path: Path) -> None
 def test_segment_stamps_sort_in_time_order() -> None:
     stamps = [Path(segment_path("/l/requests.jsonl", T10 + i * 7919)).name for i in range(0, 400, 37)]
     assert stamps == sorted(stamps)
-    assert time.strftime("%Y", time.gmtime(T10)) == "2030"
