@@ -188,3 +188,66 @@ def show_request(
             typer.echo(catalog.render_request(request))
 
     _guard(run)
+
+
+@trace_app.command("export")
+def export_dataset(
+    files: list[Path] = typer.Argument(..., help="Full-level trace files (JSONL, plain or gzip), or directories of "
+                                       "them.", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="JSONL file to write (with --split: OUT's name with "
+                                ".train and .eval before the extension)."),
+    fmt: str = typer.Option("chat", "--format", help="chat: OpenAI chat fine-tuning rows ({\"messages\": [...]}); "
+                            "eval: input messages and the reference answer."),
+    template: str | None = typer.Option(None, "--template", help="Chat template of the served model (qwen3, "
+                                        "qwen3_coder, tiny); default: the one of each record's model.",
+                                        show_default=False),
+    include_failed: bool = typer.Option(False, "--include-failed", help="Export requests that did not finish with "
+                                        "stop too (length, abort, error, repetition)."),
+    split: float | None = typer.Option(None, "--split", help="Training share, e.g. 0.9: writes a train and an eval "
+                                       "file, rows chosen by --seed.", show_default=False),
+    seed: int = typer.Option(0, "--seed", help="Seed of the --split shuffle (same seed, same files)."),
+    max_rows: int | None = typer.Option(None, "--max-rows", help="Stop after this many rows.", show_default=False),
+    keep_reasoning: bool = typer.Option(False, "--keep-reasoning", help="Keep assistant reasoning as "
+                                        "reasoning_content (not part of OpenAI's fine-tuning format)."),
+    no_scrub: bool = typer.Option(False, "--no-scrub", help="Do not redact credentials from the texts."),
+    scrub_patterns: Path | None = typer.Option(None, "--scrub-patterns", help="More patterns to redact: a file with "
+                                               "one 'kind: REGEX' or 'REGEX' per line.", show_default=False),
+    since: str | None = typer.Option(None, "--since", help="Arrived at or after this time: ISO-8601 (UTC unless an "
+                                     "offset is given) or Unix seconds.", show_default=False),
+    until: str | None = typer.Option(None, "--until", help="Arrived before this time (same forms as --since).",
+                                     show_default=False),
+    filters: list[str] = typer.Option([], "--filter", help="FIELD OP NUMBER on a numeric field, as trace list "
+                                      "takes it (repeatable, all must hold).", show_default=False),
+    finish_reason: str | None = typer.Option(None, "--finish-reason", help="Only this finish reason (replaces the "
+                                             "default of stop only).", show_default=False),
+    model: str | None = typer.Option(None, "--model", help="Only records of this model.", show_default=False),
+    tenant: str | None = typer.Option(None, "--tenant", help="Only records of this tenant.", show_default=False),
+    task: str | None = typer.Option(None, "--task", help="Only records tagged with this task.", show_default=False),
+    json_output: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
+) -> None:
+    """A fine-tuning or eval dataset from full-level traces: messages rebuilt by the chat template, secrets
+    scrubbed, duplicates dropped."""
+    from carbonforge_runtime.offline.trace_tools import catalog, scrub
+    from carbonforge_runtime.offline.trace_tools import export as export_mod
+
+    def run() -> None:
+        query = catalog.build_query(filters, since, until, finish_reason, model, tenant, task)
+        if no_scrub and scrub_patterns is not None:
+            raise CarbonForgeError("--no-scrub and --scrub-patterns contradict each other", "give one of them")
+        scrubber = None
+        if not no_scrub:
+            extra = scrub.load_patterns(scrub_patterns) if scrub_patterns is not None else []
+            scrubber = scrub.scrubber(extra)
+        options = export_mod.ExportOptions(format=fmt, template=template, include_failed=include_failed,
+                                           split=split, seed=seed, max_rows=max_rows,
+                                           keep_reasoning=keep_reasoning, scrubber=scrubber)
+        summary = export_mod.export(files, output, options, export_mod.query_predicate(query),
+                                    finish_reasons_chosen=finish_reason is not None)
+        if json_output:
+            import json
+
+            typer.echo(json.dumps(summary.to_json(), indent=2))
+        else:
+            typer.echo(export_mod.render_summary(summary, options))
+
+    _guard(run)

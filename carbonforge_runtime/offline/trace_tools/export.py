@@ -173,6 +173,39 @@ def build_row(record: Record, template: chat_templates.ChatTemplate, options: Ex
     return row
 
 
+def query_predicate(query: Any) -> Callable[[Record], bool]:
+    """``trace list``'s filters (a catalog.Query) as a test of one record, with the same semantics: a time
+    range on arrival, exact text fields, the task tag, numeric conditions (a record without the field, or
+    with a value that is not a number, fails them)."""
+    from carbonforge_runtime.offline.trace_tools import catalog
+
+    tests = tuple((c.field, catalog.OPERATORS[c.op], c.value) for c in query.conditions)
+    texts = tuple((name, getattr(query, name)) for name in ("finish_reason", "model", "tenant")
+                  if getattr(query, name) is not None)
+
+    def accepts(record: Record) -> bool:
+        arrival = record.get("t_arrival")
+        if query.since is not None or query.until is not None:
+            if not isinstance(arrival, int | float) or isinstance(arrival, bool):
+                return False
+            if (query.since is not None and arrival < query.since) or (query.until is not None
+                                                                        and arrival >= query.until):
+                return False
+        if any(record.get(name) != wanted for name, wanted in texts):
+            return False
+        if query.task is not None:
+            tags = record.get("tags")
+            if not isinstance(tags, dict) or tags.get("task") != query.task:
+                return False
+        for name, compare, value in tests:
+            have = record.get(name)
+            if not isinstance(have, int | float) or isinstance(have, bool) or not compare(have, value):
+                return False
+        return True
+
+    return accepts
+
+
 def _records(path: Path, summary: ExportSummary) -> Any:
     check_readable(path)
     number = 0
@@ -236,6 +269,7 @@ def export(paths: Sequence[Path], output: Path, options: ExportOptions,
             except chat_parse.Unparsable as exc:
                 summary.unparsable[exc.reason] += 1
                 continue
+            counted = Counter(options.scrubber.counts) if options.scrubber is not None else None
             if options.scrubber is not None:
                 row = _scrub_row(row, options.scrubber)
             identity = {key: value for key, value in row.items() if key != "metadata"}
@@ -243,6 +277,8 @@ def export(paths: Sequence[Path], output: Path, options: ExportOptions,
                           digest_size=16).digest()
             if key in seen:
                 summary.duplicates += 1
+                if options.scrubber is not None and counted is not None:
+                    options.scrubber.counts = counted  # redactions are counted in the rows written
                 continue
             seen.add(key)
             rows.append(json.dumps(row, ensure_ascii=False))
