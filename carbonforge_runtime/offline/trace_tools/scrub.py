@@ -48,6 +48,12 @@ PATTERNS: tuple[tuple[str, str, str], ...] = (
      r"(?i)\b(?:api[_-]?key|access[_-]?token|auth[_-]?token|client[_-]?secret|secret[_-]?key)[\"']?\s*[:=]\s*"
      r"[\"']?(?P<secret>[^\s\"',;]{8,})"),
 )
+#: Keys of a JSON object (tool call arguments) whose string value is a secret whatever it looks like.
+SECRET_KEYS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("password", re.compile(r"(?i)(?:password|passwd|pwd)\Z")),
+    ("aws_secret_access_key", re.compile(r"(?i)aws_?secret_?access_?key\Z")),
+    ("api_key", re.compile(r"(?i)(?:api[_-]?key|access[_-]?token|auth[_-]?token|client[_-]?secret|secret[_-]?key)\Z")),
+)
 _KIND = re.compile(r"([a-z][a-z0-9_]{0,40}):\s+(.+)\Z")
 
 
@@ -82,14 +88,23 @@ class Scrubber:
         return replace
 
     def value(self, value: Any) -> Any:
-        """Every string inside ``value`` (a JSON-like structure) scrubbed; keys are left alone."""
+        """Every string inside ``value`` (a JSON-like structure) scrubbed, and the whole string value of a
+        key named like a credential (:data:`SECRET_KEYS`: ``{"password": "..."}``); keys are left alone."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, list):
             return [self.value(item) for item in value]
         if isinstance(value, dict):
-            return {key: self.value(item) for key, item in value.items()}
+            return {key: self._keyed(key, item) for key, item in value.items()}
         return value
+
+    def _keyed(self, key: Any, item: Any) -> Any:
+        if isinstance(key, str) and isinstance(item, str) and item and not item.startswith("[REDACTED:"):
+            for kind, pattern in SECRET_KEYS:
+                if pattern.match(key):
+                    self.counts[kind] += 1
+                    return marker(kind)
+        return self.value(item)
 
 
 def _compile(kind: str, regex: str, where: str) -> re.Pattern[str]:

@@ -91,3 +91,11 @@ def test_a_bad_pattern_is_refused_naming_its_line(tmp_path: Path, line: str, mes
 def test_a_missing_patterns_file_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         scrub.load_patterns(tmp_path / "nope.txt")
+
+
+def test_a_credential_named_key_hides_its_whole_value() -> None:
+    cleaner = scrub.scrubber()
+    assert cleaner.value({"user": "ann", "Password": "correct horse", "api_key": "short1", "n": {"pwd": "x y"}}) == {
+        "user": "ann", "Password": "[REDACTED:password]", "api_key": "[REDACTED:api_key]",
+        "n": {"pwd": "[REDACTED:password]"}}
+    assert cleaner.counts == {"password": 2, "api_key": 1}
