@@ -167,13 +167,17 @@ def show_request(
                                      "received) or engine_request_id.", show_default=False),
     files: list[Path] = typer.Argument(..., help="Trace files (JSONL, plain or gzip), or directories of them.",
                                        show_default=False),
+    template: str | None = typer.Option(None, "--template", help="Read full-level prompts back into messages with "
+                                        "this vendored chat template (default: the record's model's).",
+                                        show_default=False),
     json_output: bool = typer.Option(False, "--json", help="Print the record(s) as one JSON document."),
 ) -> None:
-    """One request in full: timings, tokens, the scheduler's view, and at the full level the prompt and answer."""
+    """One request in full: timings, tokens, the scheduler's view, and at the full level the messages and answer."""
     from carbonforge_runtime.offline.trace_tools import catalog
     from carbonforge_runtime.offline.trace_tools.summarize import problem_lines
 
     def run() -> None:
+        catalog.check_template(template)
         request = catalog.find_request(files, request_id)
         _warn(problem_lines(request.files, request.bad_line_examples, request.bad_lines))
         if not request.found:
@@ -183,9 +187,9 @@ def show_request(
         if json_output:
             import json
 
-            typer.echo(json.dumps(request.to_json(), indent=2))
+            typer.echo(json.dumps(request.to_json(template), indent=2))
         else:
-            typer.echo(catalog.render_request(request))
+            typer.echo(catalog.render_request(request, template))
 
     _guard(run)
 

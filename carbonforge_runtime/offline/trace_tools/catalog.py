@@ -567,15 +567,22 @@ class Request:
     bad_lines: int
     bad_line_examples: list[BadLine]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, template: str | None = None) -> dict[str, Any]:
         records = []
         for item in self.found:
             entry: dict[str, Any] = {"file": item.file, "line": item.line, "matched_by": item.matched_by,
                                      "record": item.record}
-            output = item.record.get("output_text")
-            if isinstance(output, str):
-                reasoning, content = split_reasoning(output)
+            if "prompt_text" in item.record or "output_text" in item.record:
+                conversation, why = read_conversation(item.record, template)
+                if conversation is not None:
+                    entry["template"] = conversation.template
+                    entry["messages"], entry["tools"] = conversation.messages, conversation.tools
+                else:
+                    entry["messages"], entry["messages_not_rebuilt"] = None, why
+                reasoning, content = answer_parts(item.record, conversation)
                 entry["reasoning"], entry["content"] = reasoning, content
+                if conversation is not None and conversation.answer is not None:
+                    entry["answer"] = conversation.answer
             records.append(entry)
         return {"id": self.id, "records": records, "bad_lines": self.bad_lines}
 
@@ -618,6 +625,77 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     if open_at >= 0:
         return text[after_open:].strip(), text[:open_at].strip()
     return None, text
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A full-level record read back by its model's chat template (:mod:`.chat_parse`)."""
+
+    template: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    #: The answer as an assistant message (``content``, ``reasoning_content``, ``tool_calls``); None
+    #: without an output text or when a tool call in it cannot be read.
+    answer: dict[str, Any] | None
+
+
+def check_template(name: str | None) -> None:
+    """Refuse a ``--template`` that is not a vendored chat template."""
+    from carbonforge_runtime.recipes import chat_templates
+
+    if name is not None and name not in chat_templates.TEMPLATES:
+        raise UsageError(f"--template {name!r} is not a vendored chat template",
+                         f"give one of {', '.join(chat_templates.names())}, or leave it out to use the template of "
+                         "the model the record names")
+
+
+def read_conversation(record: dict[str, Any], template: str | None = None) -> tuple[Conversation | None, str]:
+    """The messages behind a record's ``prompt_text``, read with ``template`` or the template of the
+    record's ``model``: ``(conversation, "")``, or ``(None, why they are not shown)``. Exact or nothing."""
+    prompt = record.get("prompt_text")
+    if not isinstance(prompt, str):
+        return None, "the prompt text is not recorded"
+    from carbonforge_runtime.offline.trace_tools import chat_parse
+    from carbonforge_runtime.recipes import chat_templates
+
+    if template is not None:
+        chosen = chat_templates.TEMPLATES[template]
+    else:
+        model = record.get("model")
+        if not isinstance(model, str):
+            return None, "the record does not name its model, so its chat template is not known (--template NAME " \
+                         "reads it with a vendored one)"
+        found = chat_templates.for_model(model)
+        if found is None:
+            why = chat_templates.NOT_VENDORED.get(model, "not a shipped recipe's model")
+            return None, f"no vendored chat template for {model} ({why}; --template NAME reads it with a vendored one)"
+        chosen = found
+    try:
+        parsed = chat_parse.parse_prompt(chosen, prompt)
+    except chat_parse.Unparsable as exc:
+        return None, f"the prompt does not read back with the {chosen.name} template ({exc.reason})"
+    except CarbonForgeError as exc:
+        return None, exc.message
+    answer = None
+    output = record.get("output_text")
+    if isinstance(output, str):
+        try:
+            answer = chat_parse.parse_answer(chosen, output, parsed)
+        except chat_parse.Unparsable:
+            answer = None
+    return Conversation(chosen.name, parsed.messages, parsed.tools, answer), ""
+
+
+def answer_parts(record: dict[str, Any], conversation: Conversation | None) -> tuple[str | None, str | None]:
+    """(reasoning, content) of the record's output: as the template's parser read it, else split at
+    the ``<think>`` block; (None, None) without an output text."""
+    output = record.get("output_text")
+    if not isinstance(output, str):
+        return None, None
+    if conversation is not None and conversation.answer is not None:
+        answer = conversation.answer
+        return answer.get("reasoning_content"), answer.get("content") or ""
+    return split_reasoning(output)
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,9 +773,9 @@ def _indented(text: str) -> list[str]:
     return ["    " + line for line in text.split("\n")]
 
 
-def render_request(request: Request, messages: Callable[[str], Any] | None = None) -> str:
-    """Every record of the request in full. ``messages`` turns a prompt text into chat messages
-    (``[{"role": ..., "content": ...}]``) where it can (None: the prompt is shown as recorded)."""
+def render_request(request: Request, template: str | None = None) -> str:
+    """Every record of the request in full; at the full level the messages (read back with ``template``
+    or the record's model's chat template), else the prompt as recorded, and the answer."""
     found = request.found
     out: list[str] = []
     if len(found) > 1:
@@ -733,43 +811,67 @@ def render_request(request: Request, messages: Callable[[str], Any] | None = Non
         ]
         width = max(len(name) for name, _ in facts)
         out.extend(f"  {name.ljust(width)}  {value}" for name, value in facts)
-        out.extend(_texts(record, messages))
+        out.extend(_texts(record, template))
         if item.matched_by == "engine_request_id":
             out.append(f"  (found by its engine request id {request.id})")
         out.append("")
     return "\n".join(out).rstrip("\n")
 
 
-def _texts(record: dict[str, Any], messages: Callable[[str], Any] | None) -> list[str]:
+def _texts(record: dict[str, Any], template: str | None) -> list[str]:
     if "prompt_text" not in record and "output_text" not in record:
         return ["", "  prompt and answer: not recorded (a standard-level trace; serve with --request-trace full "
                 "to keep them)"]
     out: list[str] = []
+    conversation, why = read_conversation(record, template)
     prompt = record.get("prompt_text")
-    parsed = None
-    if isinstance(prompt, str) and messages is not None:
-        try:
-            parsed = messages(prompt)
-        except (ValueError, CarbonForgeError):
-            parsed = None
-    if parsed:
-        out += ["", "  messages:"]
-        for message in parsed:
-            role = message.get("role", "?") if isinstance(message, dict) else "?"
-            content = message.get("content") if isinstance(message, dict) else message
-            out.append(f"    [{role}]")
-            out.extend("  " + line for line in _indented(content if isinstance(content, str) else json.dumps(content)))
+    if conversation is not None:
+        out += ["", f"  messages (read back from the prompt with the {conversation.template} chat template):"]
+        for message in conversation.messages:
+            out.extend(_message(message))
+        if conversation.tools:
+            names = [str(tool.get("function", {}).get("name", "?")) for tool in conversation.tools]
+            out += ["", f"  tools offered: {', '.join(names)}"]
     else:
         out += ["", "  prompt (as the engine served it, chat template included):"]
         out.extend(_indented(prompt) if isinstance(prompt, str) else ["    (not recorded)"])
-    output = record.get("output_text")
-    if not isinstance(output, str):
+        if isinstance(prompt, str):
+            out.append(f"  (messages not rebuilt: {why})")
+    reasoning, content = answer_parts(record, conversation)
+    if content is None:
         out += ["", "  answer: (not recorded)"]
         return out
-    reasoning, content = split_reasoning(output)
     if reasoning is not None:
         out += ["", "  reasoning:"]
         out.extend(_indented(reasoning))
     out += ["", "  answer:"]
-    out.extend(_indented(content))
+    answer = conversation.answer if conversation is not None else None
+    calls = (answer or {}).get("tool_calls") or []
+    if content or not calls:
+        out.extend(_indented(content))
+    out.extend("    " + _call(call) for call in calls)
+    return out
+
+
+def _call(call: Any) -> str:
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    return f"tool call {call.get('id', '?')}: {function.get('name', '?')}({function.get('arguments', '')})"
+
+
+def _message(message: Any) -> list[str]:
+    if not isinstance(message, dict):
+        return ["    " + json.dumps(message)]
+    role = str(message.get("role", "?"))
+    if role == "tool" and message.get("tool_call_id"):
+        role = f"tool {message['tool_call_id']}"
+    out = [f"    [{role}]"]
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        out.append("      reasoning:")
+        out.extend("    " + line for line in _indented(reasoning))
+    content = message.get("content")
+    if content:
+        out.extend("  " + line for line in _indented(content if isinstance(content, str) else json.dumps(content)))
+    for call in message.get("tool_calls") or []:
+        out.append("      " + _call(call))
     return out

@@ -502,19 +502,70 @@ def test_cli_show_of_an_unknown_id_names_trace_list(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
 
 
-def test_show_renders_messages_where_a_parser_reads_the_prompt_and_the_prompt_where_it_cannot() -> None:
-    found = catalog.Found("t.jsonl", 1, full_conversation()[0], "request_id")
-    request = catalog.Request("chatcmpl-aa", [found], [], 0, [])
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+SENT: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    {"role": "user", "content": "And Rome?"},
+]
+ANSWER = ('Paris was sunny; now Rome.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
+          "\n</tool_call>")
 
-    def parse(prompt: str) -> list[dict[str, Any]]:
-        assert prompt.startswith("<|im_start|>user")
-        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
 
-    def refuse(prompt: str) -> list[dict[str, Any]]:
-        raise ValueError("not a template this parser knows")
+def tiny_record(**extra: Any) -> dict[str, Any]:
+    """A full-level record as the tiny model's recipe writes it: the prompt its chat template renders."""
+    from carbonforge_runtime.offline.trace_tools import chat_parse
+    from carbonforge_runtime.recipes import chat_templates
 
-    parsed = catalog.render_request(request, parse)
-    assert "  messages:\n    [system]\n      Be brief.\n    [user]\n      What is 2+2?" in parsed
-    assert "chat template included" not in parsed
-    fallback = catalog.render_request(request, refuse)
-    assert "  prompt (as the engine served it, chat template included):\n    <|im_start|>user" in fallback
+    prompt = chat_parse.render(chat_templates.TEMPLATES["tiny"], chat_parse.template_messages(SENT), TOOLS)
+    return rec(0, rid="chatcmpl-tiny", prompt_text=prompt, output_text=ANSWER, **extra)
+
+
+def test_show_reads_the_messages_back_with_the_models_chat_template(tmp_path: Path) -> None:
+    path = write(tmp_path / "t.jsonl", [tiny_record(model="carbonforge/tiny-chat")])
+    result = invoke("trace", "show", "chatcmpl-tiny", str(path))
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert ("  messages (read back from the prompt with the tiny chat template):\n"
+            "    [system]\n      Be brief.\n    [user]\n      Weather in Paris?\n"
+            "    [assistant]\n      tool call call_1: get_weather({\"city\": \"Paris\"})\n"
+            "    [tool call_1]\n      sunny\n    [user]\n      And Rome?\n\n  tools offered: get_weather") in out
+    assert ("  reasoning:\n    Paris was sunny; now Rome.\n\n  answer:\n"
+            "    tool call call_2: get_weather({\"city\": \"Rome\"})") in out
+    assert "<|im_start|>" not in out
+    data = json.loads(invoke("trace", "show", "chatcmpl-tiny", str(path), "--json").stdout)["records"][0]
+    assert data["template"] == "tiny"
+    assert data["messages"] == SENT and data["tools"] == TOOLS
+    assert data["answer"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert (data["reasoning"], data["content"]) == ("Paris was sunny; now Rome.", "")
+
+
+def test_show_falls_back_to_the_prompt_and_says_why(tmp_path: Path) -> None:
+    unnamed = tiny_record()  # no model field: the template is not known
+    other = {**tiny_record(model="Qwen/Qwen2.5-0.5B-Instruct"), "request_id": "chatcmpl-other"}
+    broken = {**tiny_record(model="carbonforge/tiny-chat"), "request_id": "chatcmpl-broken",
+              "prompt_text": "plain text, no template"}
+    path = write(tmp_path / "t.jsonl", [unnamed, other, broken])
+
+    shown = invoke("trace", "show", "chatcmpl-tiny", str(path)).stdout
+    assert "  prompt (as the engine served it, chat template included):\n    <|im_start|>system" in shown
+    assert "(messages not rebuilt: the record does not name its model" in shown
+    assert "  reasoning:\n    Paris was sunny; now Rome.\n\n  answer:\n    <tool_call>" in shown
+    with_template = invoke("trace", "show", "chatcmpl-tiny", str(path), "--template", "tiny").stdout
+    assert "    [tool call_1]\n      sunny" in with_template
+
+    assert "no vendored chat template for Qwen/Qwen2.5-0.5B-Instruct" in invoke(
+        "trace", "show", "chatcmpl-other", str(path)).stdout
+    data = json.loads(invoke("trace", "show", "chatcmpl-broken", str(path), "--json").stdout)["records"][0]
+    assert data["messages"] is None
+    assert data["messages_not_rebuilt"].startswith("the prompt does not read back with the tiny template")
+
+    refused = invoke("trace", "show", "chatcmpl-tiny", str(path), "--template", "llama")
+    assert refused.exit_code == 2
+    assert "--template 'llama' is not a vendored chat template" in refused.stderr
+    assert "qwen3, qwen3_coder, tiny" in refused.stderr
