@@ -574,6 +574,33 @@ def api_routes_table() -> str:
                    "`reasoning_content` added", "Tags recorded from"], rows)
 
 
+def chat_templates_table() -> str:
+    from carbonforge_runtime.recipes import chat_templates
+    from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
+
+    rows = []
+    for key, recipe in sorted(load_recipes([shipped_recipes_dir()]).items()):
+        served = recipe.model.served_name
+        template = chat_templates.for_model(served)
+        if template is not None:
+            shown = f"{_code(template.name)}: {template.description}"
+        elif served in chat_templates.NOT_VENDORED:
+            shown = f"not vendored: {chat_templates.NOT_VENDORED[served]}"
+        else:
+            raise GenerationError(f"recipe {key} serves {served}, which neither MODEL_TEMPLATES nor NOT_VENDORED lists")
+        rows.append((_code(key), _code(served), shown))
+    return _table(["Context key", "Served model (the record's `model`)", "Chat template `trace export` reads"], rows)
+
+
+def scrub_patterns_table() -> str:
+    from carbonforge_runtime.offline.trace_tools.scrub import PATTERNS, SECRET_KEYS
+
+    keyed = {kind for kind, _ in SECRET_KEYS}
+    return _table(["Kind", "What it catches"],
+                  [(_code(kind), meaning + (" (and the whole string value of a JSON key of that name)"
+                                            if kind in keyed else "")) for kind, meaning, _ in PATTERNS])
+
+
 #: Every generated table: its marker name, the page it lives in, and the function that builds it.
 TABLES: dict[str, Generated] = {
     "commands": Generated("cli.md", commands_table),
@@ -593,6 +620,8 @@ TABLES: dict[str, Generated] = {
     "trace-fields-full": Generated("tracing.md", _trace_fields("full")),
     "doctor-checks": Generated("doctor.md", doctor_checks_table),
     "exit-codes": Generated("exit-codes.md", exit_codes_table),
+    "chat-templates": Generated("datasets.md", chat_templates_table),
+    "scrub-patterns": Generated("datasets.md", scrub_patterns_table),
 }
 
 

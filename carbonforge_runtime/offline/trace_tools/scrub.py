@@ -145,9 +145,3 @@ def scrubber(extra: Iterable[tuple[str, str]] = ()) -> Scrubber:
     compiled += [(kind, _compile(kind, regex, "--scrub-patterns")) for kind, regex in extra]
     return Scrubber(compiled)
 
-
-def patterns_table() -> str:
-    """The built-in patterns as a Markdown table (docs/datasets.md)."""
-    rows = ["| Kind | What it catches |", "| --- | --- |"]
-    rows += [f"| `{kind}` | {meaning} |" for kind, meaning, _ in PATTERNS]
-    return "\n".join(rows)

@@ -30,7 +30,7 @@ class ChatTemplate:
 TEMPLATES: dict[str, ChatTemplate] = {
     template.name: template
     for template in (
-        ChatTemplate("qwen3", "hermes", "Qwen3 (hybrid thinking in <think>, JSON tool calls in <tool_call>)"),
+        ChatTemplate("qwen3", "hermes", "Qwen3 (hybrid thinking in `<think>`, JSON tool calls in `<tool_call>`)"),
         ChatTemplate("qwen3_coder", "qwen3_coder", "Qwen3-Coder (XML tool calls, no reasoning)"),
         ChatTemplate("tiny", "hermes", "the built-in tiny model (Qwen3's thinking and tool-call markup)"),
     )
