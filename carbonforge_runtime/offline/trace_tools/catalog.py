@@ -253,7 +253,7 @@ def decode_cursor(query: Query, text: str) -> Cursor:
         if (not isinstance(fingerprint, str) or missing not in (0, 1) or type(value) not in _NUMBER
                 or not isinstance(file, str) or type(line) is not int or not math.isfinite(value)):
             raise ValueError(text)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         raise UsageError(f"--cursor {text[:60]!r} is not a cursor of trace list",
                          "pass the next_cursor a page printed, unchanged, or leave --cursor out for the first "
                          "page") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import tempfile
@@ -240,7 +241,9 @@ def test_a_cursor_from_other_filters_or_a_broken_one_is_refused(tmp_path: Path) 
         list_requests([path], build_query(["output_tokens>2"]), limit=2, cursor=cursor)
     with pytest.raises(UsageError, match="other filters or another sort"):
         list_requests([path], build_query(["output_tokens>1"], order="desc"), limit=2, cursor=cursor)
-    for broken in ("abc", cursor[:-4], "c1.!!!", "c1." + "e30"):
+    fingerprint = build_query(["output_tokens>1"]).fingerprint()
+    huge = base64.urlsafe_b64encode(json.dumps([fingerprint, 0, 10**400, str(path), 1]).encode()).decode()
+    for broken in ("abc", cursor[:-4], "c1.!!!", "c1." + "e30", "c1." + huge):
         with pytest.raises(UsageError, match="is not a cursor of trace list"):
             list_requests([path], build_query(["output_tokens>1"]), limit=2, cursor=broken)
 
