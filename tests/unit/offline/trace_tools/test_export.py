@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from carbonforge_runtime.cli import main as cli
+from carbonforge_runtime.offline.trace_tools import catalog, scrub
 from carbonforge_runtime.offline.trace_tools import chat_parse as cp
 from carbonforge_runtime.offline.trace_tools import export as export_mod
-from carbonforge_runtime.offline.trace_tools import scrub
 from carbonforge_runtime.recipes.chat_templates import TEMPLATES
 
 runner = CliRunner()
@@ -243,3 +246,29 @@ def test_an_unwritable_output_is_an_error_with_a_fix(tmp_path: Path) -> None:
     (tmp_path / "dir.jsonl").mkdir()
     result = invoke(str(trace), "-o", str(tmp_path / "dir.jsonl"))
     assert result.exit_code == 1 and "cannot write" in result.output and "Traceback" not in result.output
+
+
+_FILTERS = st.lists(st.sampled_from(["output_tokens>5", "output_tokens<=12", "latency>=2s", "ttft<100ms",
+                                     "queue_wait!=0", "prompt_tokens=90"]), max_size=2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.lists(st.tuples(st.integers(0, 20), st.sampled_from([0.5, 1.0, 3.0]), st.sampled_from(["a", "b"]),
+                               st.sampled_from(["stop", "length"]), st.sampled_from([None, 0.05, 0.2])),
+                     min_size=1, max_size=12),
+       filters=_FILTERS, task=st.sampled_from([None, "a"]), reason=st.sampled_from([None, "stop"]),
+       since=st.sampled_from([None, 3]))
+def test_the_export_filter_matches_trace_lists(data: list[tuple[int, float, str, str, float | None]],
+                                               filters: list[str], task: str | None, reason: str | None,
+                                               since: int | None) -> None:
+    """The export's predicate selects exactly the records trace list counts as matching."""
+    records = [{"request_id": f"r{i}", "t_arrival": T0 + i, "output_tokens": tokens, "e2e_latency_s": e2e,
+                "prompt_tokens": 90, "queue_wait_s": 0.0, "ttft_s": ttft, "finish_reason": finish,
+                "tags": {"task": tag}} for i, (tokens, e2e, tag, finish, ttft) in enumerate(data)]
+    with tempfile.TemporaryDirectory() as folder:
+        trace = write(Path(folder) / "t.jsonl", records)
+        query = catalog.build_query(filters, None if since is None else str(T0 + since), None, reason, None, None,
+                                    task)
+        listed = catalog.list_requests([trace], query, 0).matched
+    accepts = export_mod.query_predicate(query)
+    assert sum(1 for r in records if accepts(r)) == listed
