@@ -40,5 +40,14 @@ if ! command -v strace >/dev/null 2>&1; then
     echo "== installing Debian's strace"
     apt-get update -qq && apt-get install -y -qq strace >/dev/null
 fi
-echo "== pytest"
-.venv/bin/python -m pytest -p no:cacheprovider -q "$@"
+if [ "$#" -gt 0 ]; then
+    echo "== pytest $*"
+    exec .venv/bin/python -m pytest -p no:cacheprovider -q "$@"
+fi
+# Tests that start no engine run in three workers (many of them wait on timers or child processes,
+# so three keep two cores busy); the end-to-end tests run one at a time, since each starts the real
+# engine and several at once would make their timings those of a starved machine.
+echo "== pytest: unit and integration tests (three workers)"
+.venv/bin/python -m pytest -p no:cacheprovider -q -n 3 tests/unit tests/integration
+echo "== pytest: end-to-end tests (the real vLLM CPU engine, one at a time)"
+.venv/bin/python -m pytest -p no:cacheprovider -q tests/e2e
