@@ -572,3 +572,46 @@ def test_show_falls_back_to_the_prompt_and_says_why(tmp_path: Path) -> None:
     assert refused.exit_code == 2
     assert "--template 'llama' is not a vendored chat template" in refused.stderr
     assert "qwen3, qwen3_coder, tiny" in refused.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Any input (the strategies of the offline tools' hostile-input tests)
+
+
+def _hostile_files() -> Any:
+    from tests.unit.offline.test_hostile_input import TRACE_FIELDS, lines_file, record_line
+
+    names = st.sampled_from(["qwen", "sql", "x"])
+    fields = {**TRACE_FIELDS, "model": names, "tenant": names, "tags": st.fixed_dictionaries({"task": names}),
+              "engine_request_id": st.text(max_size=8), "energy_j": st.none() | st.floats(0, 100),
+              "preemptions": st.integers(0, 3), "cached_prompt_tokens": st.none() | st.integers(0, 100)}
+    return lines_file(record_line(fields))
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=_hostile_files(), sort=st.sampled_from(["t_arrival", "ttft", "energy_j", "preemptions"]),
+       order=st.sampled_from(["asc", "desc"]), limit=st.integers(0, 3), as_json=st.booleans(),
+       narrow=st.sampled_from([[], ["--filter", "output_tokens>=1"], ["--task", "sql"], ["--model", "qwen"],
+                               ["--since", "1750000000", "--filter", "latency<5000"]]))
+def test_list_and_show_survive_any_input(data: bytes, sort: str, order: str, limit: int, as_json: bool,
+                                         narrow: list[str]) -> None:
+    from tests.unit.offline.test_hostile_input import assert_own_error
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "t.jsonl"
+        trace.write_bytes(data)
+        options = ["--sort", sort, "--order", order, "--limit", str(limit), *narrow]
+        result = invoke("trace", "list", str(trace), *options, "--json")
+        assert_own_error(result, {1})
+        if result.exit_code == 0:
+            page = json.loads(result.stdout)
+            assert len(page["rows"]) <= (limit or len(page["rows"]))
+            if page["next_cursor"] is not None:
+                assert_own_error(invoke("trace", "list", str(trace), *options, "--cursor", page["next_cursor"]), {1})
+            if page["rows"]:
+                wanted = page["rows"][0]["request_id"]
+                shown = invoke("trace", "show", wanted, str(trace), *(["--json"] if as_json else []))
+                assert_own_error(shown, {1})
+                assert shown.exit_code == 0
+        assert_own_error(invoke("trace", "list", str(trace), *options), {1})
+        assert_own_error(invoke("trace", "show", "chatcmpl-x", str(trace)), {1})
