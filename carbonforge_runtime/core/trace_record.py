@@ -41,9 +41,10 @@ FULL_FIELDS = ("prompt_text", "output_text")
 #: What each field holds: docs/tracing.md is generated from this (scripts/gen_docs.py), and a unit test
 #: checks it names exactly the fields :func:`build_record` writes. Timestamps are Unix seconds.
 FIELD_MEANINGS: dict[str, str] = {
-    "request_id": "The `id` the client received (`chatcmpl-…`, `cmpl-…`, or built from an `X-Request-Id` "
-    "header), without the engine's internal suffix. With `n > 1` every sample has its own record with the "
-    "same `request_id`; `/v1/completions` with several prompts writes one record per prompt.",
+    "request_id": "The `id` the client received (`chatcmpl-…`, `cmpl-…`, `resp_…`, or built from an "
+    "`X-Request-Id` header), without the engine's internal suffix. With `n > 1` every sample has its own record "
+    "with the same `request_id`; `/v1/completions` with several prompts writes one record per prompt, and a "
+    "Responses API request one per engine turn.",
     "t_arrival": "When the API server received the request (vLLM's arrival stamp, taken as the request is "
     "rendered).",
     "t_completion": "When the engine finished the request (last token, or the abort).",
@@ -115,17 +116,19 @@ class Decoder(Protocol):
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
 _SAMPLE_INDEX = re.compile(r"\A\d+_(?=(?:chatcmpl|cmpl)-)")
 _PROMPT_INDEX = re.compile(r"\A(cmpl-.*)-\d+\Z", re.S)
+_RESPONSES_TURN = re.compile(r"\A(resp_.*)_\d+\Z", re.S)
 
 
 def client_request_id(engine_request_id: str) -> str:
     """The ``id`` the client received, from the id the engine uses for the same request.
 
     The API server turns the client's id into ``<id>-<8 hex>``; with ``n > 1`` each sample is
-    ``<index>_<id>-<8 hex>``; ``/v1/completions`` adds ``-<prompt index>`` before the suffix.
+    ``<index>_<id>-<8 hex>``; ``/v1/completions`` adds ``-<prompt index>`` before the suffix; the
+    Responses API adds ``_<turn>`` (one engine request per turn of its built-in tool loop).
     """
     rid = _ENGINE_SUFFIX.sub("", engine_request_id, count=1)
     rid = _SAMPLE_INDEX.sub("", rid, count=1)
-    match = _PROMPT_INDEX.match(rid)
+    match = _PROMPT_INDEX.match(rid) or _RESPONSES_TURN.match(rid)
     return match.group(1) if match else rid
 
 

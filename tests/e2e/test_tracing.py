@@ -4,8 +4,9 @@ the real openai client sends the load; a real OTLP receiver (gRPC or HTTP) takes
 Three engine sessions, each shared by the checks that need its configuration:
 
 * recipe mode, level ``full``, JSONL + OTLP/gRPC, max-num-seqs 2: exact records for 48 mixed
-  requests, full-level text, queueing under a burst, then sink faults (collector stopped, trace
-  file replaced by a directory) and the drop accounting reported at shutdown;
+  requests, full-level text, request tags and the model name from every API, queueing under a
+  burst, then sink faults (collector stopped, trace file replaced by a directory) and the drop
+  accounting reported at shutdown;
 * override mode, level ``standard``, JSONL + OTLP/HTTP: the HTTP transport, then SIGTERM under load;
 
 A level without a sink (one warning, tracing off, serving works) is checked on the default engine in
@@ -253,6 +254,50 @@ class TestFullLevelRecipeSession:
             check_span(span, by_id[rid], full=True)
 
 
+    def test_tags_and_model_reach_both_sinks_from_every_api(self, full_session: Session) -> None:
+        """The OpenAI SDK tags requests with ``metadata`` and ``X-CF-Task``: every record of a request (both
+        samples of ``n=2``, both prompts of a completion, a Responses call) carries them, a client's own
+        values in the reserved ``vllm_xargs`` keys lose to the header, no answer shows the channel, and a
+        request past the OpenAI limits is refused before the engine."""
+        s = full_session
+        before = len(read_records(s.trace))
+        meta = {"team": "billing", "task": "from-metadata"}
+        header = {"X-CF-Task": "invoice-triage"}
+        want = {"team": "billing", "task": "invoice-triage"}
+        messages: Any = [{"role": "user", "content": prompt_text(400, 6)}]
+        chat = s.client.chat.completions.create(model=TINY_SERVED_NAME, messages=messages, max_tokens=3, n=2,
+                                                temperature=1.0, metadata=meta, extra_headers=header)
+        completion = s.client.completions.create(model=TINY_SERVED_NAME, prompt=["one two", "three four"],
+                                                 max_tokens=3, extra_body={"metadata": meta}, extra_headers=header)
+        response = s.client.responses.create(model=TINY_SERVED_NAME, input="hello", max_output_tokens=4,
+                                             metadata=meta, extra_headers=header)
+        spoof = s.client.chat.completions.create(
+            model=TINY_SERVED_NAME, messages=messages, max_tokens=2, extra_headers=header,
+            extra_body={"vllm_xargs": {"cf_tags": '{"task": "someone-else"}', "cf_model": "other"}})
+        with pytest.raises(openai.BadRequestError) as refused:
+            s.client.chat.completions.create(model=TINY_SERVED_NAME, messages=messages, max_tokens=2,
+                                             metadata={f"k{i}": "v" for i in range(17)})
+        assert refused.value.status_code == 400 and refused.value.param == "metadata"
+        s.sent += 6  # two samples, two prompts, the response, the spoof; the refused request never ran
+        for answer in (chat, completion, response, spoof):
+            assert "cf_tags" not in answer.model_dump_json() and "cf_model" not in answer.model_dump_json()
+        expected = {chat.id: 2, completion.id: 2, response.id: 1, spoof.id: 1}
+        records = [r for r in wait_records(s.trace, before + 6) if r["request_id"] in expected]
+        assert sorted(r["request_id"] for r in records) == sorted(k for k, n in expected.items() for _ in range(n)), \
+            [(r["request_id"], r["tags"]) for r in read_records(s.trace)]
+        for record in records:
+            assert record["tags"] == (want if record["request_id"] != spoof.id else {"task": "invoice-triage"})
+            assert record["model"] == TINY_SERVED_NAME
+
+        def tagged_spans() -> list[ReceivedSpan]:
+            return [span for span in s.receiver.snapshot() if span.attributes["cf.request_id"] in expected]
+
+        wait_until(lambda: len(tagged_spans()) >= 6, 40, every_s=0.5)
+        for span in tagged_spans():
+            assert span.attributes["cf.tag.task"] == "invoice-triage"
+            assert span.attributes["gen_ai.request.model"] == TINY_SERVED_NAME
+            assert ("cf.tag.team" in span.attributes) == (span.attributes["cf.request_id"] != spoof.id)
+
     def test_queue_wait_grows_across_a_burst(self, full_session: Session) -> None:
         s = full_session
         before = len(read_records(s.trace))
@@ -327,7 +372,7 @@ class TestFullLevelRecipeSession:
         spans = s.receiver.snapshot()  # one per span id: a late export sent again is a copy, set aside
         assert len({span.attributes["cf.request_id"] for span in spans}) == len(spans), "one span id a request"
         assert s.receiver.conflicts == [], "a re-sent span carries the same ids and content as the first"
-        assert len(spans) + dropped_total(log, "OTLP grpc") == s.sent == 48 + 16 + 8 + 6
+        assert len(spans) + dropped_total(log, "OTLP grpc") == s.sent == 48 + 6 + 16 + 8 + 6
 
 
 # ---- session 2: override mode, standard, JSONL + HTTP, SIGTERM under load ----------------------------

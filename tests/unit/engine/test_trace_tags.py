@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG
-from carbonforge_runtime.core.trace_record import EXTRA_FIELDS, Completion, build_record
+from carbonforge_runtime.core.trace_record import EXTRA_FIELDS, Completion, build_record, client_request_id
 from carbonforge_runtime.engine.trace_sinks import OtlpSink, span_attributes
 from carbonforge_runtime.runtime.planning.trace_options import otlp_target
 from tests.support import wait_until
@@ -41,6 +41,13 @@ def test_the_record_carries_the_tags_and_model_at_every_level() -> None:
     # whatever is not what the API server writes is no tags (a route the middleware does not judge)
     odd = build_record(completion(tags_arg='{"team": 5}', model_arg=["m"]), "fcfs", "standard")
     assert odd["tags"] == {} and odd["model"] is None
+
+
+def test_a_responses_request_is_recorded_under_the_id_the_client_received() -> None:
+    # vLLM's Responses API runs turn i of a request as the engine request <id>_<i>
+    assert client_request_id("resp_838e54ef6b9b8b35_0-977183e8") == "resp_838e54ef6b9b8b35"
+    assert client_request_id("resp_my_id_12-0123abcd") == "resp_my_id"
+    assert client_request_id("chatcmpl-my_1-0123abcd") == "chatcmpl-my_1"  # only the Responses API's ids
 
 
 def test_span_attributes_name_the_model_and_each_tag() -> None:
