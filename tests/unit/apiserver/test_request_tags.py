@@ -170,6 +170,23 @@ def test_a_client_cannot_set_the_reserved_keys_and_keeps_its_own() -> None:
     assert check_request(CHAT, odd, PLAIN) is odd
 
 
+def test_nothing_in_vllm_reads_the_reserved_keys() -> None:
+    """vLLM reads ``extra_args`` only by name (kv_transfer_params, custom logits processors' own keys,
+    ...): keys no vLLM code names cannot change what it generates."""
+    from pathlib import Path
+
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    sources = list(root.rglob("*.py"))
+    assert len(sources) > 500  # the installed package, not a stub
+    named = [str(path.relative_to(root)) for path in sources
+             for text in [path.read_text(errors="replace")] if TAGS_ARG in text or MODEL_ARG in text]
+    assert named == []
+    readers = [path for path in sources if "extra_args.get(" in path.read_text(errors="replace")]
+    assert readers  # the scan sees the places that do read extra_args
+
+
 def test_the_recorded_side_reads_only_what_the_middleware_writes() -> None:
     assert tags_from_arg('{"team":"b","task":"t"}') == {"team": "b", "task": "t"}
     for bad in (None, "", "{nope", "[1]", '{"team": 1}', '{"": "x"}', orjson.dumps({"k" * 65: "v"}).decode(),
