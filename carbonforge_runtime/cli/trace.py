@@ -202,9 +202,9 @@ def export_dataset(
                                 ".train and .eval before the extension)."),
     fmt: str = typer.Option("chat", "--format", help="chat: OpenAI chat fine-tuning rows ({\"messages\": [...]}); "
                             "eval: input messages and the reference answer."),
-    template: str | None = typer.Option(None, "--template", help="Chat template of the served model (qwen3, "
-                                        "qwen3_coder, tiny); default: the one of each record's model.",
-                                        show_default=False),
+    template: str | None = typer.Option(None, "--template", help="Chat template of the served model (qwen2_5, "
+                                        "qwen3, qwen3_6, qwen3_coder, qwen3_coder_vllm, qwen3_next_instruct, tiny); "
+                                        "default: the one of each record's model.", show_default=False),
     include_failed: bool = typer.Option(False, "--include-failed", help="Export requests that did not finish with "
                                         "stop too (length, abort, error, repetition)."),
     split: float | None = typer.Option(None, "--split", help="Training share, e.g. 0.9: writes a train and an eval "

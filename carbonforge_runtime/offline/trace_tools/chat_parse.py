@@ -23,10 +23,13 @@ are filled the documented way:
 * what a template drops is absent: Qwen3 drops the reasoning of assistant turns before the last
   user message, Qwen3-Coder trims an assistant's content before its tool calls, and so on (the
   round-trip tests list each such normalisation);
-* Qwen3-Coder writes scalars with Python's ``str``: ``None``, ``True`` and ``False`` in the tools
-  block are read as null and booleans, numbers as numbers for the JSON Schema keywords that hold
-  numbers; a tool call's parameter value is converted by the type its tool declares, and a value
-  that could be a string or something else with no declared type is refused.
+* Qwen3-Coder writes scalars with Python's ``str`` (its checkpoint's template lists too, as Python
+  literals): ``None``, ``True`` and ``False`` in the tools block are read as null and booleans,
+  numbers as numbers for the JSON Schema keywords that hold numbers; a tool call's parameter value
+  (Qwen3-Coder's or Qwen3.6's XML) is converted by the type its tool declares, and a value that could
+  be a string or something else with no declared type is refused;
+* a system text equal to the one a template writes when there is none (Qwen2.5, Qwen3-Coder) reads
+  back as no system message.
 """
 
 from __future__ import annotations
@@ -207,7 +210,9 @@ def parse_prompt(template: ChatTemplate, text: str) -> ParsedPrompt:
     if template.family == "hermes":
         parsed = _parse_hermes(template, text)
     elif template.family == "qwen3_coder":
-        parsed = _parse_coder(text)
+        parsed = _parse_coder(_CODER[template.name], text)
+    elif template.family == "qwen3_6":
+        parsed = _parse_qwen36(text)
     else:  # pragma: no cover - every vendored template has a family
         raise Unparsable(f"no parser for the template family {template.family}")
     _check(template, text, parsed)
@@ -231,6 +236,9 @@ class _Hermes:
     history_reasoning: bool
     #: The generation prompt's tail -> (enable_thinking, whether the answer continues a reasoning block).
     generation_tails: dict[str, tuple[bool | None, bool]]
+    #: The system text the template writes when the request has no system message (Qwen2.5); the tools
+    #: head then follows the system text directly (its own separator included).
+    default_system: str | None = None
 
 
 _QWEN3_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
@@ -239,7 +247,14 @@ _QWEN3_TAIL = ("\n</tools>\n\nFor each function call, return a json object with 
                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
                "<args-json-object>}\n</tool_call>")
 _EMPTY_THINK = "<think>\n\n</think>\n\n"
+_NO_THINKING: dict[str, tuple[bool | None, bool]] = {"": (None, False)}
 _HERMES: dict[str, _Hermes] = {
+    "qwen2_5": _Hermes("\n\n" + _QWEN3_HEAD, _QWEN3_TAIL, grouped_tool_responses=True, newline_before_every_call=False,
+                       history_reasoning=False, generation_tails=_NO_THINKING,
+                       default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    "qwen3_next_instruct": _Hermes(_QWEN3_HEAD, _QWEN3_TAIL, grouped_tool_responses=True,
+                                   newline_before_every_call=False, history_reasoning=False,
+                                   generation_tails=_NO_THINKING),
     "qwen3": _Hermes(_QWEN3_HEAD, _QWEN3_TAIL, grouped_tool_responses=True, newline_before_every_call=False,
                      history_reasoning=True, generation_tails={"": (None, False), _EMPTY_THINK: (False, False)}),
     "tiny": _Hermes("# Tools\n\nFunction signatures are inside <tools></tools>:\n<tools>",
@@ -322,11 +337,14 @@ def _parse_hermes(template: ChatTemplate, text: str) -> ParsedPrompt:
         if head >= 0 and body.endswith(dialect.tools_tail):
             tools = _hermes_tools(body[head + len(dialect.tools_head):len(body) - len(dialect.tools_tail)])
             prefix = body[:head]
-            if prefix:
+            if dialect.default_system is not None:
+                if prefix != dialect.default_system:
+                    messages.append({"role": "system", "content": prefix})
+            elif prefix:
                 if not prefix.endswith("\n\n"):
                     raise Unparsable("the system message is not separated from the tools")
                 messages.append({"role": "system", "content": prefix[:-2]})
-        else:
+        elif body != dialect.default_system:
             messages.append({"role": "system", "content": body})
         start = 1
     raw_assistant: dict[int, str] = {}
@@ -387,7 +405,6 @@ def _hermes_assistant(dialect: _Hermes, message: dict[str, Any], body: str, *, a
 
 
 _CODER_DEFAULT_SYSTEM = "You are Qwen, a helpful AI assistant that can interact with a computer to solve tasks."
-_CODER_HEAD = "\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
 _CODER_TAIL = (
     "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
     "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
@@ -399,6 +416,23 @@ _CODER_TAIL = (
     "the question like normal with your current knowledge and do not tell the user about function calls\n"
     "</IMPORTANT>"
 )
+#: How a template writes a tool call's parameter value, or a tool field render_extra_keys writes:
+#: ``py``: objects as JSON, everything else with Python's str (lists too, as Python literals);
+#: ``py_json``: objects and lists as JSON, scalars with Python's str; ``json``: strings as they are,
+#: everything else as JSON.
+_PY, _PY_JSON, _JSON = "py", "py_json", "json"
+
+
+@dataclass(frozen=True)
+class _Coder:
+    head: str
+    values: str
+
+
+_CODER: dict[str, _Coder] = {
+    "qwen3_coder": _Coder("\n\nYou have access to the following functions:\n\n<tools>", _PY),
+    "qwen3_coder_vllm": _Coder("\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>", _PY_JSON),
+}
 #: JSON Schema keywords whose value is a number (Qwen3-Coder writes scalars with Python's str).
 _NUMERIC_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
                                "minLength", "maxLength", "minItems", "maxItems", "minProperties",
@@ -445,7 +479,20 @@ class _Reader:
         return key, self.until(f"</{key}>")
 
 
-def _extra_value(key: str, text: str) -> Any:
+def _python_list(text: str) -> list[Any] | None:
+    """A list written with Python's str (a Python literal), or None."""
+    if not text.startswith("["):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, list) else None
+
+
+def _extra_value(key: str, text: str, values: str) -> Any:
+    if values == _PY and (listed := _python_list(text)) is not None:
+        return listed
     if text[:1] in "{[":
         try:
             return json.loads(text)
@@ -471,7 +518,7 @@ def _schema_type(text: str) -> Any:
     return text
 
 
-def _coder_tools(text: str) -> list[dict[str, Any]]:
+def _coder_tools(text: str, values: str) -> list[dict[str, Any]]:
     reader = _Reader(text)
     tools = []
     while reader.pos < len(text):
@@ -491,15 +538,15 @@ def _coder_tools(text: str) -> list[dict[str, Any]]:
             if reader.take("\n<description>"):
                 fields["description"] = reader.until("</description>")
             while (item := reader.extra("\n</parameter>")) is not None:
-                fields[item[0]] = _extra_value(*item)
+                fields[item[0]] = _extra_value(*item, values)
             reader.expect("\n</parameter>")
             properties[name] = fields
         while (item := reader.extra("\n</parameters>")) is not None:
-            parameters[item[0]] = _extra_value(*item)
+            parameters[item[0]] = _extra_value(*item, values)
         reader.expect("\n</parameters>")
         function["parameters"] = parameters
         while (item := reader.extra("\n</function>")) is not None:
-            function[item[0]] = _extra_value(*item)
+            function[item[0]] = _extra_value(*item, values)
         reader.expect("\n</function>")
         tools.append({"type": "function", "function": function})
     return tools
@@ -516,12 +563,42 @@ def _declared_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, A
     return out
 
 
-def _argument(function: str, name: str, text: str, declared: Any) -> Any:
-    """A rendered parameter value back to what the client sent (the template wrote ``str(value)``,
-    or JSON for an object or array)."""
+def _argument(function: str, name: str, text: str, declared: Any, values: str) -> Any:
+    """A rendered parameter value back to what the client sent, by the type its tool declares (the
+    template wrote it as ``values`` says)."""
     where = f"parameter {name} of a call to {function}"
     kind = declared if isinstance(declared, str) else None
     if kind == "string":
+        return text
+    if kind in ("object", "array") or (kind is None and text[:1] in "{["):
+        value: Any = None
+        if kind != "object" and values == _PY:
+            value = _python_list(text)
+        if value is None:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = None
+        if kind is None and isinstance(value, dict | list):
+            raise Unparsable(f"{where} reads {text[:40]!r}, which a string renders to as well as an object or "
+                             "array, and its tool declares no type to tell them apart")
+        if kind is not None:
+            if isinstance(value, dict if kind == "object" else list):
+                return value
+            raise Unparsable(f"{where} is declared an {kind} but is not one")
+    if values == _JSON:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        expected = {"integer": int, "number": int | float, "boolean": bool, "null": type(None)}.get(kind or "")
+        if expected is not None:
+            if isinstance(value, expected) and (kind == "boolean" or not isinstance(value, bool)):
+                return value
+            raise Unparsable(f"{where} is declared {kind} but reads {text[:40]!r}")
+        if kind is None and not isinstance(value, str):
+            raise Unparsable(f"{where} reads {text[:40]!r}, which a string renders to as well as a "
+                             "non-string, and its tool declares no type to tell them apart")
         return text
     if kind == "integer":
         if _INTEGER.match(text):
@@ -541,31 +618,15 @@ def _argument(function: str, name: str, text: str, declared: Any) -> Any:
         if text in ("True", "False"):
             return text == "True"
         raise Unparsable(f"{where} is declared a boolean but reads {text[:40]!r}")
-    if kind in ("object", "array"):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if isinstance(value, dict if kind == "object" else list):
-            return value
-        raise Unparsable(f"{where} is declared an {kind} but is not one")
     if kind == "null" and text == "None":
         return None
-    # No declared type to go by: only a text that nothing but a string renders to is read.
-    looks_json = False
-    if text[:1] in "{[":
-        try:
-            json.loads(text)
-            looks_json = True
-        except ValueError:
-            pass
-    if looks_json or text in ("None", "True", "False") or _FLOAT.match(text):
+    if text in ("None", "True", "False") or _FLOAT.match(text):
         raise Unparsable(f"{where} reads {text[:40]!r}, which a string renders to as well as a "
                          "non-string, and its tool declares no type to tell them apart")
     return text
 
 
-def _coder_calls(text: str, types: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+def _coder_calls(text: str, types: dict[str, dict[str, Any]], values: str) -> list[tuple[str, dict[str, Any]]]:
     calls = []
     pos = 0
     while pos < len(text):
@@ -589,7 +650,7 @@ def _coder_calls(text: str, types: dict[str, dict[str, Any]]) -> list[tuple[str,
             if parameter in arguments:
                 raise Unparsable(f"a call to {name} names parameter {parameter} twice")
             arguments[parameter] = _argument(name, parameter, text[close + 2:end],
-                                             types.get(name, {}).get(parameter))
+                                             types.get(name, {}).get(parameter), values)
             pos = end + len("\n</parameter>\n")
         tail = "</function>\n</tool_call>"
         if not text.startswith(tail, pos):
@@ -599,7 +660,7 @@ def _coder_calls(text: str, types: dict[str, dict[str, Any]]) -> list[tuple[str,
     return calls
 
 
-def _parse_coder(text: str) -> ParsedPrompt:
+def _parse_coder(dialect: _Coder, text: str) -> ParsedPrompt:
     blocks, tail = _blocks(text)
     if tail:
         raise Unparsable(f"the generation prompt ends with {tail[:40]!r}, which this template does not write")
@@ -608,9 +669,9 @@ def _parse_coder(text: str) -> ParsedPrompt:
     start = 0
     if blocks and blocks[0][0] == "system":
         body = blocks[0][1]
-        head = body.rfind(_CODER_HEAD)
+        head = body.rfind(dialect.head)
         if head >= 0 and body.endswith(_CODER_TAIL):
-            tools = _coder_tools(body[head + len(_CODER_HEAD):len(body) - len(_CODER_TAIL)])
+            tools = _coder_tools(body[head + len(dialect.head):len(body) - len(_CODER_TAIL)], dialect.values)
             if not tools:
                 raise Unparsable("the system turn lists no tools")
             if body[:head] != _CODER_DEFAULT_SYSTEM:
@@ -632,12 +693,81 @@ def _parse_coder(text: str) -> ParsedPrompt:
                 if content != content.strip():
                     raise Unparsable("an assistant turn's content before its tool calls is not trimmed")
                 section = "\n" + body if calls_at == 0 else body[calls_at + 1:]
-                calls = _coder_calls(section, types)
+                calls = _coder_calls(section, types, dialect.values)
                 messages.append({"role": "assistant", "content": content or None,
                                  "tool_calls": [_openai_call(name, arguments) for name, arguments in calls]})
                 continue
         messages.append({"role": role, "content": body})
     parsed = ParsedPrompt(messages=messages, tools=tools, enable_thinking=None)
+    parsed.template_messages = template_messages(messages)
+    return parsed
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen3.6: thinking, tools listed as JSON, XML tool calls, every text trimmed
+
+
+_QWEN36_HEAD = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+_QWEN36_GENERATION = {"<think>\n": (None, True), _EMPTY_THINK: (False, False)}
+
+
+def _parse_qwen36(text: str) -> ParsedPrompt:
+    blocks, tail = _blocks(text)
+    if tail not in _QWEN36_GENERATION:
+        raise Unparsable(f"the generation prompt ends with {tail[:40]!r}, which this template does not write")
+    enable_thinking, thinking_open = _QWEN36_GENERATION[tail]
+    tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] = []
+    start = 0
+    if blocks and blocks[0][0] == "system":
+        body = blocks[0][1]
+        end = body.find(_CODER_TAIL)
+        if body.startswith(_QWEN36_HEAD) and end >= 0:
+            tools = _hermes_tools(body[len(_QWEN36_HEAD):end])
+            rest = body[end + len(_CODER_TAIL):]
+            if rest:
+                if not rest.startswith("\n\n") or rest[2:] != rest[2:].strip() or not rest[2:]:
+                    raise Unparsable("the system message after the tools is malformed")
+                messages.append({"role": "system", "content": rest[2:]})
+        else:
+            messages.append({"role": "system", "content": body})
+        start = 1
+    types = _declared_types(tools)
+    raw_assistant: dict[int, str] = {}
+    for role, body in blocks[start:]:
+        if role == "user" and body.startswith(_RESPONSE_OPEN) and body.endswith(_RESPONSE_CLOSE):
+            inner = body[len(_RESPONSE_OPEN):len(body) - len(_RESPONSE_CLOSE)]
+            messages.extend({"role": "tool", "content": part}
+                            for part in inner.split(_RESPONSE_CLOSE + "\n" + _RESPONSE_OPEN))
+        elif role == "assistant":
+            raw_assistant[len(messages)] = body
+            messages.append({"role": "assistant"})
+        else:
+            messages.append({"role": role, "content": body})
+    users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    last_query = users[-1] if users else len(messages) - 1
+    for index, body in raw_assistant.items():
+        message = messages[index]
+        if index > last_query:
+            if not body.startswith("<think>\n"):
+                raise Unparsable("an assistant turn after the last user message has no reasoning block")
+            close = body.find("\n</think>\n\n")
+            if close < 0:
+                raise Unparsable("an assistant turn's reasoning block is not closed")
+            reasoning, body = body[len("<think>\n"):close], body[close + len("\n</think>\n\n"):]
+            if reasoning:
+                message["reasoning_content"] = reasoning
+        calls_at = 0 if body.startswith("<tool_call>\n<function=") else body.find("\n\n<tool_call>\n<function=")
+        if calls_at < 0:
+            message["content"] = body
+            continue
+        content = body[:calls_at]
+        section = "\n" + (body if calls_at == 0 else body[calls_at + 2:])
+        message["content"] = content or None
+        message["tool_calls"] = [_openai_call(name, arguments)
+                                 for name, arguments in _coder_calls(section, types, _JSON)]
+    parsed = ParsedPrompt(messages=messages, tools=tools, enable_thinking=enable_thinking,
+                          thinking_open=thinking_open)
     parsed.template_messages = template_messages(messages)
     return parsed
 

@@ -30,8 +30,14 @@ class ChatTemplate:
 TEMPLATES: dict[str, ChatTemplate] = {
     template.name: template
     for template in (
+        ChatTemplate("qwen2_5", "hermes", "Qwen2.5-Instruct (ChatML, JSON tool calls in `<tool_call>`, no reasoning)"),
         ChatTemplate("qwen3", "hermes", "Qwen3 (hybrid thinking in `<think>`, JSON tool calls in `<tool_call>`)"),
-        ChatTemplate("qwen3_coder", "qwen3_coder", "Qwen3-Coder (XML tool calls, no reasoning)"),
+        ChatTemplate("qwen3_next_instruct", "hermes", "Qwen3-Next Instruct (JSON tool calls in `<tool_call>`, no "
+                     "thinking)"),
+        ChatTemplate("qwen3_coder", "qwen3_coder", "Qwen3-Coder (tools and tool calls in XML, no reasoning)"),
+        ChatTemplate("qwen3_coder_vllm", "qwen3_coder", "vLLM's example Qwen3-Coder template "
+                     "(examples/tool_chat_template_qwen3coder.jinja), for a deployment that passes it"),
+        ChatTemplate("qwen3_6", "qwen3_6", "Qwen3.6 (thinking in `<think>`, tools listed as JSON, tool calls in XML)"),
         ChatTemplate("tiny", "hermes", "the built-in tiny model (Qwen3's thinking and tool-call markup)"),
     )
 }
@@ -39,18 +45,17 @@ TEMPLATES: dict[str, ChatTemplate] = {
 #: A shipped recipe's ``model.served_name`` -> the name of its vendored template.
 MODEL_TEMPLATES: dict[str, str] = {
     "carbonforge/tiny-chat": "tiny",
+    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2_5",
     "Qwen/Qwen3-32B-FP8": "qwen3",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8": "qwen3_next_instruct",
     "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8": "qwen3_coder",
+    "Qwen/Qwen3.6-27B-FP8": "qwen3_6",
 }
 
 #: Shipped models whose template is not vendored, and why (``trace export`` names the reason).
 NOT_VENDORED: dict[str, str] = {
-    "Qwen/Qwen2.5-0.5B-Instruct": "no public copy of Qwen2.5-Instruct's template with a traceable source was found",
-    "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8": "Qwen3-Next Instruct's template (no thinking) is not Qwen3's, and no "
-    "traceable copy of it was found",
-    "Qwen/Qwen3-Coder-Next-FP8": "Qwen3-Coder-Next's own template was not found (it is not known to equal "
-    "Qwen3-Coder's)",
-    "Qwen/Qwen3.6-27B-FP8": "Qwen3.6's template (thinking with XML tool calls) was not found",
+    "Qwen/Qwen3-Coder-Next-FP8": "Qwen3-Coder-Next's own template was not found with a traceable source (it is "
+    "not known to equal Qwen3-Coder's)",
 }
 
 

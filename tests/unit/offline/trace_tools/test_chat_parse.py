@@ -9,10 +9,14 @@ What each template drops or changes, and so what the comparison normalises:
   assistant turn with tool calls and empty content comes back with ``content: None``;
 * qwen3: reasoning of assistant turns up to the last user message is dropped; later turns keep it
   with surrounding newlines stripped (the template writes ``reasoning.strip('\\n')``);
-* tiny: reasoning of earlier turns is never rendered;
-* qwen3_coder: reasoning is never rendered; an assistant's content before tool calls is trimmed;
-  a tool's and a parameter's description are trimmed, and ``parameters.type`` is not rendered
-  (it comes back as ``object``).
+* qwen3_6: the same, stripped of all surrounding whitespace, and every message's text is trimmed
+  (an empty system text after the tools is not written at all);
+* tiny, qwen2_5, qwen3_next_instruct: reasoning is never rendered;
+* qwen3_coder, qwen3_coder_vllm: reasoning is never rendered; an assistant's content before tool
+  calls is trimmed; a tool's and a parameter's description are trimmed, and ``parameters.type`` is
+  not rendered (it comes back as ``object``);
+* qwen2_5 and qwen3_coder write a default system text when there is none: a system message equal to
+  it would read back as none (the generated texts never equal it).
 
 Texts hold no markup of the templates (``<|im_end|>``, ``<tool_call>``, ...): such text is read as
 markup, as the engine tokenized it (a test below shows it).
@@ -117,9 +121,22 @@ def conversations(draw: st.DrawFn, typed: bool) -> tuple[list[dict[str, Any]], l
     return messages, tools
 
 
+#: Templates that keep the reasoning of assistant turns after the last user message.
+_HISTORY_REASONING = {"qwen3", "qwen3_6"}
+#: Templates that trim every message's text (Qwen3.6), or an assistant's text before tool calls (Qwen3-Coder).
+_TRIM_ALL = {"qwen3_6"}
+_TRIM_BEFORE_CALLS = {"qwen3_coder", "qwen3_coder_vllm"}
+
+
 def expected(name: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """What the template keeps of ``messages``, in the parser's form (see the module docstring)."""
     out = copy.deepcopy(messages)
+    if name in _TRIM_ALL:
+        for message in out:
+            if isinstance(message.get("content"), str):
+                message["content"] = message["content"].strip()
+        if tools and out and out[0]["role"] == "system" and not out[0]["content"]:
+            out.pop(0)  # an empty system text after the tools is not written
     users = [i for i, m in enumerate(out) if m["role"] == "user"]
     last_query = users[-1] if users else len(out) - 1
     count = 0
@@ -128,11 +145,13 @@ def expected(name: str, messages: list[dict[str, Any]], tools: list[dict[str, An
         message.pop("tool_call_id", None)
         if message["role"] == "assistant":
             reasoning = message.pop("reasoning_content", None)
-            if name == "qwen3" and index > last_query and reasoning:
-                message["reasoning_content"] = reasoning.strip("\n")
+            if name in _HISTORY_REASONING and index > last_query and reasoning:
+                kept = reasoning.strip() if name in _TRIM_ALL else reasoning.strip("\n")
+                if kept:
+                    message["reasoning_content"] = kept
             if message.get("tool_calls"):
                 content = message.get("content") or ""
-                if name == "qwen3_coder":
+                if name in _TRIM_BEFORE_CALLS:
                     content = content.strip()
                 message["content"] = content or None
                 pending = []
@@ -174,22 +193,49 @@ def _round_trip(name: str, messages: list[dict[str, Any]], tools: list[dict[str,
     assert parsed.enable_thinking is (False if enable_thinking is False else None)
 
 
+_THINKING = st.sampled_from([None, False])
+
+
 @SETTINGS
-@given(conversation=conversations(typed=False), thinking=st.sampled_from([None, False]))
+@given(conversation=conversations(typed=False), thinking=_THINKING)
 def test_qwen3_round_trip(conversation: tuple[list[dict[str, Any]], Any], thinking: bool | None) -> None:
     _round_trip("qwen3", *conversation, enable_thinking=thinking)
 
 
 @SETTINGS
-@given(conversation=conversations(typed=False), thinking=st.sampled_from([None, False]))
+@given(conversation=conversations(typed=False), thinking=_THINKING)
 def test_tiny_round_trip(conversation: tuple[list[dict[str, Any]], Any], thinking: bool | None) -> None:
     _round_trip("tiny", *conversation, enable_thinking=thinking)
+
+
+@SETTINGS
+@given(conversation=conversations(typed=False))
+def test_qwen2_5_round_trip(conversation: tuple[list[dict[str, Any]], Any]) -> None:
+    _round_trip("qwen2_5", *conversation)
+
+
+@SETTINGS
+@given(conversation=conversations(typed=False))
+def test_qwen3_next_instruct_round_trip(conversation: tuple[list[dict[str, Any]], Any]) -> None:
+    _round_trip("qwen3_next_instruct", *conversation)
 
 
 @SETTINGS
 @given(conversation=conversations(typed=True))
 def test_qwen3_coder_round_trip(conversation: tuple[list[dict[str, Any]], Any]) -> None:
     _round_trip("qwen3_coder", *conversation)
+
+
+@SETTINGS
+@given(conversation=conversations(typed=True))
+def test_qwen3_coder_vllm_round_trip(conversation: tuple[list[dict[str, Any]], Any]) -> None:
+    _round_trip("qwen3_coder_vllm", *conversation)
+
+
+@SETTINGS
+@given(conversation=conversations(typed=True), thinking=_THINKING)
+def test_qwen3_6_round_trip(conversation: tuple[list[dict[str, Any]], Any], thinking: bool | None) -> None:
+    _round_trip("qwen3_6", *conversation, enable_thinking=thinking)
 
 
 def test_every_template_is_covered_by_a_round_trip() -> None:

@@ -134,7 +134,7 @@ def test_qwen3_coder_answers_with_tool_calls_are_parsed(tmp_path: Path) -> None:
 
 def test_failed_duplicate_and_unparsable_requests_are_skipped_and_counted(tmp_path: Path) -> None:
     records = [record(0), record(0), record(1, finish="length"), record(2, finish="abort"),
-               record(3, prompt_text="<|im_start|>user\nhi<|im_end|>\n"), record(4, model="Qwen/Qwen2.5-0.5B-Instruct")]
+               record(3, prompt_text="<|im_start|>user\nhi<|im_end|>\n"), record(4, model="Qwen/Qwen3-Coder-Next-FP8")]
     trace = write(tmp_path / "t.jsonl", records)
     out = tmp_path / "out.jsonl"
     result = invoke(str(trace), "-o", str(out))
@@ -144,7 +144,7 @@ def test_failed_duplicate_and_unparsable_requests_are_skipped_and_counted(tmp_pa
     assert "2 not successful (length 1, abort 1; --include-failed keeps them)" in text
     assert "1 exact duplicates" in text
     assert "ends without the assistant's generation prompt" in text
-    assert "served by Qwen/Qwen2.5-0.5B-Instruct" in text
+    assert "served by Qwen/Qwen3-Coder-Next-FP8" in text
     result = invoke(str(trace), "-o", str(out), "--include-failed", "--json")
     summary = json.loads(result.output)
     assert summary["written"] == 3 and summary["duplicates"] == 1 and summary["skipped_failed"] == {}
@@ -224,7 +224,7 @@ def test_records_without_a_model_need_a_template(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     result = invoke(str(trace), "-o", str(out))
     assert result.exit_code == 2
-    assert "--template NAME, one of qwen3, qwen3_coder, tiny" in result.output
+    assert "--template NAME, one of qwen2_5, qwen3, qwen3_6, qwen3_coder" in result.output
     assert invoke(str(trace), "-o", str(out), "--template", "tiny").exit_code == 0
     result = invoke(str(trace), "-o", str(out), "--template", "llama")
     assert result.exit_code == 2 and "is not a vendored chat template" in result.output
