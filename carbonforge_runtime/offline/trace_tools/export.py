@@ -108,11 +108,9 @@ def validate(options: ExportOptions) -> None:
 
 
 def split_paths(output: Path) -> tuple[Path, Path]:
-    """``out.jsonl`` -> ``out.train.jsonl`` and ``out.eval.jsonl``."""
-    name = output.name
-    stem, dot, suffix = name.partition(".")
-    tail = f".{suffix}" if dot else ""
-    return output.with_name(f"{stem}.train{tail}"), output.with_name(f"{stem}.eval{tail}")
+    """``out.jsonl`` -> ``out.train.jsonl`` and ``out.eval.jsonl`` (before the last extension)."""
+    stem, suffix = output.stem, output.suffix
+    return output.with_name(f"{stem}.train{suffix}"), output.with_name(f"{stem}.eval{suffix}")
 
 
 def _template_of(record: Record, options: ExportOptions, summary: ExportSummary) -> chat_templates.ChatTemplate | None:

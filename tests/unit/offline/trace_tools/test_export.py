@@ -170,6 +170,7 @@ def test_split_is_deterministic_and_max_rows_caps(tmp_path: Path) -> None:
         assert invoke(str(trace), "-o", str(out), "--split", "0.8", "--seed", "7").exit_code == 0
     train, held = export_mod.split_paths(first)
     assert (train.name, held.name) == ("d.train.jsonl", "d.eval.jsonl")
+    assert export_mod.split_paths(Path("x/day.1.jsonl"))[1] == Path("x/day.1.eval.jsonl")
     assert len(rows(train)) == 16 and len(rows(held)) == 4
     assert train.read_text() == export_mod.split_paths(second)[0].read_text()
     other = tmp_path / "c" / "d.jsonl"
