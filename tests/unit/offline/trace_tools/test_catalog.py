@@ -550,7 +550,7 @@ def test_show_reads_the_messages_back_with_the_models_chat_template(tmp_path: Pa
 
 def test_show_falls_back_to_the_prompt_and_says_why(tmp_path: Path) -> None:
     unnamed = tiny_record()  # no model field: the template is not known
-    other = {**tiny_record(model="Qwen/Qwen2.5-0.5B-Instruct"), "request_id": "chatcmpl-other"}
+    other = {**tiny_record(model="Qwen/Qwen3-Coder-Next-FP8"), "request_id": "chatcmpl-other"}
     broken = {**tiny_record(model="carbonforge/tiny-chat"), "request_id": "chatcmpl-broken",
               "prompt_text": "plain text, no template"}
     path = write(tmp_path / "t.jsonl", [unnamed, other, broken])
@@ -562,7 +562,7 @@ def test_show_falls_back_to_the_prompt_and_says_why(tmp_path: Path) -> None:
     with_template = invoke("trace", "show", "chatcmpl-tiny", str(path), "--template", "tiny").stdout
     assert "    [tool call_1]\n      sunny" in with_template
 
-    assert "no vendored chat template for Qwen/Qwen2.5-0.5B-Instruct" in invoke(
+    assert "no vendored chat template for Qwen/Qwen3-Coder-Next-FP8" in invoke(
         "trace", "show", "chatcmpl-other", str(path)).stdout
     data = json.loads(invoke("trace", "show", "chatcmpl-broken", str(path), "--json").stdout)["records"][0]
     assert data["messages"] is None
@@ -571,7 +571,7 @@ def test_show_falls_back_to_the_prompt_and_says_why(tmp_path: Path) -> None:
     refused = invoke("trace", "show", "chatcmpl-tiny", str(path), "--template", "llama")
     assert refused.exit_code == 2
     assert "--template 'llama' is not a vendored chat template" in refused.stderr
-    assert "qwen3, qwen3_coder, tiny" in refused.stderr
+    assert "qwen3_coder, qwen3_coder_vllm, qwen3_next_instruct, tiny" in refused.stderr
 
 
 # ---------------------------------------------------------------------------------------------
