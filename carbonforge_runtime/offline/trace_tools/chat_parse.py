@@ -221,7 +221,7 @@ def parse_prompt(template: ChatTemplate, text: str) -> ParsedPrompt:
 
 
 # --------------------------------------------------------------------------------------------
-# Hermes-style: JSON tool calls in <tool_call> (Qwen3, the tiny model)
+# Hermes-style: JSON tool calls in <tool_call> (Qwen2.5, Qwen3, Qwen3-Next Instruct, the tiny model)
 
 
 @dataclass(frozen=True)
