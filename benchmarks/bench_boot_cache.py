@@ -6,10 +6,11 @@ what the first compiled. Prints both times to ready (process start to the `ready
 answering /health), the engine log's lines about compiling, how many compiled kernels each boot
 added to the cache, and the ratio.
 
-On the CPU build of vLLM 0.32 the second boot logs "Compiling model again due to a load failure
-from <the cached artifact>" (its AOT artifact does not load on CPU) and traces the model again, but
-takes every kernel from the cache, so it adds none; where the artifact loads, the log says
-"Directly load AOT compilation from path <it>".
+The shipped CPU recipes set VLLM_USE_AOT_COMPILE=0 (the CPU build of vLLM 0.32 cannot load its
+AOT artifact: with it on, the second boot logs "Compiling model again due to a load failure"), so
+the second boot traces the model again and takes every graph and kernel from Inductor's cache,
+adding none; where an AOT artifact loads (a GPU), the log says "Directly load AOT compilation from
+path <it>".
 
     .venv/bin/python benchmarks/bench_boot_cache.py [--key cf-tiny:bf16:chat:cpu] [--keep]
 """

@@ -120,6 +120,8 @@ class RuntimeProcess:
             "CF_TINY_MODEL_DIR": str(tiny_model_dir()),
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            # As the shipped CPU recipes set it, for the recipes tests write and for override mode.
+            "VLLM_USE_AOT_COMPILE": "0",
         })
         self.env.pop("CF_CONTEXT_KEY", None)
         self.env.update(env or {})

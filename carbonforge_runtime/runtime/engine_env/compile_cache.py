@@ -9,8 +9,9 @@ default place (``~/.cache/vllm``, ``/tmp/torchinductor_<user>``, ``~/.triton/cac
 replaced. The runtime points all of them into subdirectories of one directory,
 ``CF_COMPILE_CACHE_DIR`` (``/var/cache/carbonforge`` in the image, which declares it a volume), so
 that one mounted volume makes every later boot of the same recipe load what the first compiled
-(vLLM then logs "Directly load AOT compilation from path ..."; its CPU build cannot load that
-artifact and traces the model again, but takes every compiled kernel from the cache).
+(vLLM then logs "Directly load AOT compilation from path ..."). The CPU build of vLLM 0.32 cannot
+load that artifact, so the shipped CPU recipes turn AOT compilation off (``VLLM_USE_AOT_COMPILE=0``)
+and a later boot takes every graph and kernel from Inductor's cache instead.
 
 None of these locations enter vLLM's compile hash (``vllm/envs.py``: ``compile_factors`` ignores
 ``VLLM_CACHE_ROOT``; the others are not vLLM variables), so moving them does not invalidate a cache.
