@@ -29,8 +29,14 @@ import orjson
 TAGS_ARG = "cf_tags"
 #: The ``vllm_xargs`` key that carries the model name the client asked for.
 MODEL_ARG = "cf_model"
+#: The ``vllm_xargs`` keys that carry the tenant of the request's API key (its name, never the
+#: secret), the key's priority class (an integer, higher is served sooner) and its fair share (a
+#: positive weight), as the middleware took them from the keys file.
+TENANT_ARG = "cf_tenant"
+PRIORITY_ARG = "cf_priority"
+SHARE_ARG = "cf_share"
 #: The ``vllm_xargs`` keys only the middleware writes; a client's own values under them are dropped.
-RESERVED_ARGS = (TAGS_ARG, MODEL_ARG)
+RESERVED_ARGS = (TAGS_ARG, MODEL_ARG, TENANT_ARG, PRIORITY_ARG, SHARE_ARG)
 #: The header a gateway (or a client) names the request's task with.
 TASK_HEADER = "X-CF-Task"
 #: The tag the header's value is recorded under.
