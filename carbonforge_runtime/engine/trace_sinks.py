@@ -368,15 +368,19 @@ def span_attributes(record: Record) -> dict[str, Any]:
 
 
 def span_ids(record: Record) -> tuple[int, int]:
-    """The trace id and span id of a record's span, derived from its request id and arrival time.
+    """The trace id and span id of a record's span: the trace from its request id and arrival time, the
+    span from the engine's id for it too, so that the records of one request (each sample of
+    ``n > 1``, each prompt of ``/v1/completions``) are spans of their own.
 
     OTLP delivery is at least once: an export whose answer times out is sent again, and the
     collector may already hold it. With ids that depend only on the record, the copy carries the
     same ids as the original, so a collector (or anyone counting spans) can tell it is a copy."""
-    seed = f"{record.get('request_id')}|{record.get('t_arrival')!r}".encode()
-    digest = hashlib.sha256(seed).digest()
+    arrival = repr(record.get("t_arrival"))
+    digest = hashlib.sha256(f"{record.get('request_id')}|{arrival}".encode()).digest()
+    engine_id = record.get("engine_request_id") or record.get("request_id")
+    span_digest = hashlib.sha256(f"{engine_id}|{arrival}".encode()).digest()
     trace_id = int.from_bytes(digest[:16], "big") or 1
-    span_id = int.from_bytes(digest[16:24], "big") or 1
+    span_id = int.from_bytes(span_digest[16:24], "big") or 1
     return trace_id, span_id
 
 

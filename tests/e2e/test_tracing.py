@@ -370,7 +370,7 @@ class TestFullLevelRecipeSession:
 
         assert dropped_total(log, "file") == 6
         spans = s.receiver.snapshot()  # one per span id: a late export sent again is a copy, set aside
-        assert len({span.attributes["cf.request_id"] for span in spans}) == len(spans), "one span id a request"
+        assert len({span.attributes["cf.engine_request_id"] for span in spans}) == len(spans), "one span id a record"
         assert s.receiver.conflicts == [], "a re-sent span carries the same ids and content as the first"
         assert len(spans) + dropped_total(log, "OTLP grpc") == s.sent == 48 + 6 + 16 + 8 + 6
 

@@ -12,7 +12,7 @@ import pytest
 
 from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG
 from carbonforge_runtime.core.trace_record import EXTRA_FIELDS, Completion, build_record, client_request_id
-from carbonforge_runtime.engine.trace_sinks import OtlpSink, span_attributes
+from carbonforge_runtime.engine.trace_sinks import OtlpSink, span_attributes, span_ids
 from carbonforge_runtime.runtime.planning.trace_options import otlp_target
 from tests.support import wait_until
 from tests.support.otlp_receiver import OtlpReceiver
@@ -56,6 +56,18 @@ def test_span_attributes_name_the_model_and_each_tag() -> None:
     assert attrs["cf.tag.team"] == "billing" and attrs["cf.tag.task"] == "triage"
     bare = span_attributes(build_record(completion(tags_arg=None, model_arg=None), "fcfs", "standard"))
     assert not [key for key in bare if key.startswith("cf.tag.") or key == "gen_ai.request.model"]
+
+
+def test_the_records_of_one_request_are_spans_of_their_own_in_one_trace() -> None:
+    samples = [build_record(completion(engine_request_id=f"{i}_chatcmpl-abc123-0123abcd"), "fcfs", "standard")
+               for i in range(2)]
+    prompts = [build_record(completion(engine_request_id=f"cmpl-abc-{i}-0123abcd"), "fcfs", "standard")
+               for i in range(2)]
+    for first, second in (samples, prompts):
+        assert first["request_id"] == second["request_id"]
+        (trace_a, span_a), (trace_b, span_b) = span_ids(first), span_ids(second)
+        assert trace_a == trace_b and span_a != span_b
+    assert span_ids(samples[0]) == span_ids(dict(samples[0]))  # a copy sent again keeps its ids
 
 
 def test_an_otlp_collector_receives_the_tags_as_attributes() -> None:
