@@ -10,8 +10,9 @@ the client asked for, to the engine in vLLM's ``vllm_xargs`` under the reserved 
 :data:`TAGS_ARG` (the tags as one JSON object in a string) and :data:`MODEL_ARG`. vLLM copies
 ``vllm_xargs`` into ``SamplingParams.extra_args``, which nothing in vLLM 0.32 reads under these
 names: they change nothing in generation and never appear in an answer. The record builder reads
-them back with :func:`tags_from_arg` and :func:`model_from_arg`, which check them again (a value
-that is not what the middleware writes is recorded as no tags, or no model).
+them back with :func:`tags_from_arg`, :func:`model_from_arg` and :func:`tenant_from_arg`, which check
+them again (a value that is not what the middleware writes is recorded as no tags, no model, or no
+tenant).
 
 Pure: plain data in, plain data out.
 """
@@ -49,6 +50,8 @@ MAX_VALUE_CHARS = 512
 MAX_TASK_CHARS = MAX_VALUE_CHARS
 #: The longest model name recorded (vLLM refuses a name it does not serve before the engine sees it).
 MAX_MODEL_CHARS = 1024
+#: The longest tenant name recorded (a key's name in the keys file); a longer value is recorded as no tenant.
+MAX_TENANT_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,14 @@ def tags_from_arg(value: Any) -> dict[str, str]:
 def model_from_arg(value: Any) -> str | None:
     """The model name a request carried in :data:`MODEL_ARG`; None when it carried none (or not a name)."""
     return value if isinstance(value, str) and 0 < len(value) <= MAX_MODEL_CHARS else None
+
+
+def tenant_from_arg(value: Any) -> str | None:
+    """The tenant a request carried in :data:`TENANT_ARG` (its API key's name); None when it carried none,
+    or anything but printable, non-blank text of at most :data:`MAX_TENANT_CHARS` characters."""
+    if isinstance(value, str) and len(value) <= MAX_TENANT_CHARS and value.isprintable() and value.strip():
+        return value
+    return None
 
 
 def _json_type(value: Any) -> str:
