@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from typer.testing import CliRunner
@@ -39,6 +40,14 @@ CONVERSATIONS: dict[str, tuple[str, list[str]]] = {
     "support": (SUPPORT, ["My dashboard shows an overdue invoice.", "It was paid on the 19th.",
                           "Please check again.", "Thank you."]),
 }
+
+#: A tagged conversation with a tool call, for the capture-to-dataset loop (list, show, export).
+TASK = "glossary-e2e"
+LOOKUP_TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up in the glossary.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+TAGGED_SYSTEM = "You explain words from the glossary."
+TAGGED_QUESTIONS = ["What does idempotent mean?", "And what is a tombstone record?"]
 
 runner = CliRunner()
 
@@ -97,15 +106,39 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
             sent = dict(zip(CONVERSATIONS, pool.map(converse, CONVERSATIONS), strict=True))
 
+        # Tagged by task (the X-CF-Task header) and metadata, with a tool call and its result in the
+        # history: what the client sent and what it received, turn by turn.
+        tagged: list[dict[str, Any]] = []
+        history: list[Any] = [{"role": "system", "content": TAGGED_SYSTEM}]
+        for turn, question in enumerate(TAGGED_QUESTIONS):
+            history.append({"role": "user", "content": question})
+            if turn == 1:
+                history.append({"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "lookup", "arguments": json.dumps({"word": "tombstone"})}}]})
+                history.append({"role": "tool", "tool_call_id": "call_1",
+                                "content": "tombstone: a marker that a record was deleted"})
+            response = client.chat.completions.create(
+                model=TINY_SERVED_NAME, messages=history, max_tokens=16, temperature=1.0,
+                tools=[LOOKUP_TOOL], metadata={"team": "docs"},
+                extra_headers={"X-CF-Task": TASK},
+            )
+            message = response.choices[0].message
+            tagged.append({"id": response.id, "sent": json.loads(json.dumps(history)),
+                           "content": message.content, "tool_calls": message.tool_calls,
+                           "finish_reason": response.choices[0].finish_reason,
+                           "output_tokens": response.usage.completion_tokens if response.usage else None})
+            history.append({"role": "assistant", "content": message.content or ""})
+
         # From a child process, so the whole burst reaches the engine at once and queues there.
         burst = send_burst(runtime.base_url, TINY_SERVED_NAME,
                            [f"Burst request number {i}: write a long story." for i in range(BURST_REQUESTS)], 96)
-        total = LIGHT_REQUESTS + BURST_REQUESTS + sum(len(ids) for ids in sent.values())
+        total = LIGHT_REQUESTS + BURST_REQUESTS + sum(len(ids) for ids in sent.values()) + len(tagged)
         wait_until(lambda: len(read_records(trace)) >= total, 60, every_s=0.5)
         records = read_records(trace)
         assert len(records) >= total, f"the trace holds {len(records)} records, expected {total}"
         yield {"base": base, "trace": trace, "records": records, "light": light, "burst": burst,
-               "conversations": sent}
+               "conversations": sent, "tagged": tagged}
     finally:
         try:
             if runtime.proc is not None and runtime.proc.poll() is None:
@@ -124,9 +157,14 @@ def trace_id(record: dict[str, Any], client_ids: set[str]) -> str:
     return matches[0]
 
 
+def client_ids(traced: dict[str, Any]) -> set[str]:
+    return (set(traced["light"]) | set(traced["burst"]) | {t["id"] for t in traced["tagged"]}
+            | {i for v in traced["conversations"].values() for i in v})
+
+
 def subset(traced: dict[str, Any], ids: list[str], name: str) -> tuple[Path, list[dict[str, Any]]]:
     wanted = set(ids)
-    all_ids = set(traced["light"]) | set(traced["burst"]) | {i for v in traced["conversations"].values() for i in v}
+    all_ids = client_ids(traced)
     chosen = [r for r in traced["records"] if trace_id(r, all_ids) in wanted]
     assert len(chosen) == len(ids)
     path = traced["base"] / name
@@ -184,15 +222,17 @@ def test_sessions_recover_exactly_the_conversations_sent(traced: dict[str, Any])
     result = runner.invoke(cli.app, ["trace", "sessions", str(traced["trace"]), "-o", str(out)])
     assert result.exit_code == 0, result.output
     sent = traced["conversations"]
-    all_ids = set(traced["light"]) | set(traced["burst"]) | {i for ids in sent.values() for i in ids}
+    all_ids = client_ids(traced)
     groups: dict[str, list[tuple[int, str]]] = {}
     for line in out.read_text().splitlines():
         item = json.loads(line)
         groups.setdefault(item["session_id"], []).append((item["turn"], trace_id(item, all_ids)))
     found = sorted([rid for _, rid in sorted(members)] for members in groups.values())
-    expected = sorted([*sent.values(), *([rid] for rid in traced["light"]), *([rid] for rid in traced["burst"])])
+    tagged = [turn["id"] for turn in traced["tagged"]]
+    expected = sorted([*sent.values(), tagged, *([rid] for rid in traced["light"]),
+                       *([rid] for rid in traced["burst"])])
     assert found == expected
-    multi = len(CONVERSATIONS)
+    multi = len(CONVERSATIONS) + 1
     assert f"({multi} multi-turn, {LIGHT_REQUESTS + BURST_REQUESTS} single-turn); most turns: 4" in result.stdout
 
 
@@ -204,3 +244,59 @@ def test_plot_of_the_served_trace_is_a_png(traced: dict[str, Any]) -> None:
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     assert struct.unpack(">II", data[16:24]) == (1200, 900)
+
+
+def cli_json(*args: str) -> Any:
+    result = runner.invoke(cli.app, list(args))
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_tagged_traffic_is_listed_shown_and_exported_as_the_client_sent_it(traced: dict[str, Any]) -> None:
+    """Capture to dataset: the tagged conversation is found by task, shown whole, and exported as the
+    messages the client sent plus the answers it received, in OpenAI's chat fine-tuning format."""
+    tagged = traced["tagged"]
+    trace = str(traced["trace"])
+    listed = cli_json("trace", "list", trace, "--filter", "output_tokens>5", "--task", TASK, "--limit", "0", "--json")
+    rows = listed["rows"]
+    assert sorted(row["request_id"] for row in rows) == sorted(turn["id"] for turn in tagged
+                                                               if turn["output_tokens"] > 5)
+    assert rows and all(row["task"] == TASK for row in rows)
+    # Nothing else carries the task.
+    everything = cli_json("trace", "list", trace, "--limit", "0", "--json")["rows"]
+    assert len(everything) == len(traced["records"])
+    assert sum(1 for row in everything if row.get("task") == TASK) == len(tagged)
+
+    last = tagged[-1]
+    shown = cli_json("trace", "show", last["id"], trace, "--json")
+    assert shown["id"] == last["id"] and len(shown["records"]) == 1
+    entry = shown["records"][0]
+    assert entry["record"]["tags"] == {"task": TASK, "team": "docs"}
+    assert entry["record"]["model"] == TINY_SERVED_NAME
+    assert entry["messages"] == last["sent"] and entry["tools"] == [LOOKUP_TOOL]
+    assert entry["content"] == last["content"]
+    text = runner.invoke(cli.app, ["trace", "show", last["id"], trace])
+    assert text.exit_code == 0, text.output
+    assert "lookup" in text.stdout and "tombstone" in text.stdout and TASK in text.stdout
+
+    out = traced["base"] / "dataset.jsonl"
+    # The tiny model's random weights rarely stop on their own: take what it wrote up to max_tokens.
+    finish = {turn["finish_reason"] for turn in tagged}
+    assert len(finish) == 1, finish
+    exported = runner.invoke(cli.app, ["trace", "export", trace, "-o", str(out), "--task", TASK,
+                                       "--finish-reason", finish.pop(), "--json"])
+    assert exported.exit_code == 0, exported.output
+    dataset = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(dataset) == len(tagged)
+    from tests.unit.offline.trace_tools.test_export import FINE_TUNING_ROW
+
+    by_first_user = {}
+    for row in dataset:
+        jsonschema.validate(row, FINE_TUNING_ROW)
+        by_first_user[len(row["messages"])] = row
+    for turn in tagged:
+        answer: dict[str, Any] = {"role": "assistant", "content": turn["content"]}
+        expected = [*turn["sent"], answer]
+        row = by_first_user[len(expected)]
+        assert row["messages"] == expected
+        assert row["tools"] == [LOOKUP_TOOL]
