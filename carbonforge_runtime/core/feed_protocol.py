@@ -22,8 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from carbonforge_runtime.core.request_tags import tenant_from_arg
+
 VERSION = 1
-#: Records per datagram (a compact record is about 150 bytes; datagrams stay far below the socket limit).
+#: Records per datagram (a compact record is about 150 bytes, 250 with a long tenant name; datagrams stay far
+#: below the socket limit).
 RECORDS_PER_DATAGRAM = 150
 MAX_DATAGRAM_BYTES = 256 * 1024
 
@@ -75,6 +78,8 @@ def compact(record: Mapping[str, Any]) -> dict[str, Any]:
         "pt": record.get("prompt_tokens"),
         "ot": record.get("output_tokens"),
         "ej": record.get("energy_j"),
+        "cp": record.get("cached_prompt_tokens"),
+        "tn": record.get("tenant"),
     }
 
 
@@ -90,6 +95,9 @@ class RequestSample:
     prompt_tokens: int
     output_tokens: int
     energy_j: float | None
+    cached_prompt_tokens: int = 0
+    #: The record's tenant (None: the default tenant); the runtime bounds it before it becomes a label.
+    tenant: str | None = None
 
     @classmethod
     def from_compact(cls, data: Mapping[str, Any]) -> RequestSample:
@@ -106,6 +114,8 @@ class RequestSample:
             prompt_tokens=int(number("pt") or 0),
             output_tokens=int(number("ot") or 0),
             energy_j=number("ej"),
+            cached_prompt_tokens=int(number("cp") or 0),
+            tenant=tenant_from_arg(data.get("tn")),
         )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from carbonforge_runtime.core.request_tags import model_from_arg, tags_from_arg
+from carbonforge_runtime.core.request_tags import model_from_arg, tags_from_arg, tenant_from_arg
 
 LEVEL_OFF = "off"
 LEVEL_STANDARD = "standard"
@@ -34,7 +34,7 @@ STANDARD_FIELDS = (
 )
 #: Fields this runtime adds at every level.
 EXTRA_FIELDS = ("finish_reason", "cached_prompt_tokens", "preemptions", "engine_request_id", "energy_j", "model",
-                "tags")
+                "tags", "tenant")
 #: Fields only the full level writes.
 FULL_FIELDS = ("prompt_text", "output_text")
 
@@ -73,6 +73,10 @@ FIELD_MEANINGS: dict[str, str] = {
     "(at most 16 pairs, names up to 64 characters, values up to 512; a request past that is refused with a 400), "
     "and the `X-CF-Task` header as `task`, which wins over a `task` in `metadata`. `{}` when the request has none. "
     "Every record of one request (each sample of `n > 1`, each prompt of `/v1/completions`) has the same tags.",
+    "tenant": "The tenant the request was served for: the name of its API key in the keys file (`CF_API_KEYS_FILE`), "
+    "never the key itself (printable, at most 64 characters); `null` for a request that came without a named key. "
+    "Readers count `null`, and an absent field (records written before the field existed), as the default tenant "
+    "`default`. Every record of one request has the same tenant.",
     "prompt_text": "The prompt exactly as the engine served it, chat template and special tokens included.",
     "output_text": "The generated text, decoded as the API decodes it (special tokens skipped unless the "
     "request asked otherwise).",
@@ -107,6 +111,7 @@ class Completion:
     #: (checked and parsed off the engine loop, by :func:`build_record`).
     tags_arg: Any = None
     model_arg: Any = None
+    tenant_arg: Any = None
 
 
 class Decoder(Protocol):
@@ -172,6 +177,7 @@ def build_record(
         "energy_j": done.energy_j,
         "model": model_from_arg(done.model_arg),
         "tags": tags_from_arg(done.tags_arg),
+        "tenant": tenant_from_arg(done.tenant_arg),
     }
     if level == LEVEL_FULL:
         prompt_text: str | None = None

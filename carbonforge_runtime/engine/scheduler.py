@@ -44,7 +44,7 @@ from carbonforge_runtime.core.contract import (
 from carbonforge_runtime.core.feed_protocol import EngineCounters
 from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
 from carbonforge_runtime.core.ordering.registry import make_family, pick_next
-from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG
+from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG, TENANT_ARG
 from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, Decoder, build_record, client_request_id
 from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
 from carbonforge_runtime.engine.metrics_feed import attach as attach_feed
@@ -522,6 +522,7 @@ class _CarbonForgeMixin:
             skip_special_tokens=params.skip_special_tokens if params is not None else True,
             tags_arg=extra.get(TAGS_ARG) if extra else None,
             model_arg=extra.get(MODEL_ARG) if extra else None,
+            tenant_arg=extra.get(TENANT_ARG) if extra else None,
         ))
 
     def _cf_close(self) -> None:

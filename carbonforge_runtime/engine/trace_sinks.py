@@ -355,6 +355,7 @@ def span_attributes(record: Record) -> dict[str, Any]:
         "cf.engine_request_id": ("engine_request_id", str),
         "cf.energy_j": ("energy_j", float),
         "gen_ai.request.model": ("model", str),
+        "cf.tenant": ("tenant", str),
         "gen_ai.prompt": ("prompt_text", str),
         "gen_ai.completion": ("output_text", str),
     }

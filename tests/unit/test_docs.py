@@ -277,12 +277,16 @@ def test_the_metrics_table_is_what_the_page_exposes() -> None:
     from carbonforge_runtime.runtime.energy.controller import ControllerStatus
     from carbonforge_runtime.runtime.metrics.exposition import METRICS, PREFIX, families
     from carbonforge_runtime.runtime.metrics.receiver import ReceiverStats
-    from carbonforge_runtime.runtime.metrics.state import FamilyStats, Info, RankState, Snapshot
+    from carbonforge_runtime.runtime.metrics.state import FamilyStats, Info, RankState, Snapshot, TenantStats
 
     stats = FamilyStats(prompt_tokens=10, output_tokens=5, energy_j=1.0, requests={("stop", 0): 1})
     stats.queue_wait.observe(0.1)
     stats.ttft.observe(0.2)
     stats.e2e.observe(0.3)
+    usage = TenantStats(prompt_tokens=10, cached_prompt_tokens=4, output_tokens=5, energy_j=1.0,
+                        requests={"stop": 1})
+    usage.ttft.observe(0.2)
+    usage.e2e.observe(0.3)
     everything = Snapshot(
         families={"fcfs": stats},
         ranks={0: RankState(EngineState(EngineCounters(steps=3, waiting=1, running=2),
@@ -294,6 +298,7 @@ def test_the_metrics_table_is_what_the_page_exposes() -> None:
                   queue_wait_target_s=0.5),
         joules_per_output_token=0.2,
         group_hosts_lost=0,
+        tenants={"acme": usage},
     )
     exposed = {metric.name: metric for metric in families(everything)}
     assert [spec.name for spec in METRICS] == [name.removeprefix(PREFIX) for name in exposed]

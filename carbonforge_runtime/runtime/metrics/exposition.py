@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from carbonforge_runtime.gpu.types import GpuReading
-from carbonforge_runtime.runtime.metrics.state import Histogram, RankState, Snapshot
+from carbonforge_runtime.runtime.metrics.state import Histogram, RankState, Snapshot, TenantStats
 
 PREFIX = "carbonforge_"
 MHZ = 1_000_000.0
@@ -49,6 +49,10 @@ _GPU = ("gpu", "uuid")
 #: The data-parallel rank of the engine core a value comes from ("0" without data parallel): sum
 #: over it for the deployment's total.
 _RANK = ("dp_rank",)
+#: The tenant: the name of the request's API key for the first 64 distinct tenants seen, "other" past
+#: them, "default" for requests without a named key (core/tenant_labels.py).
+_TENANT = ("tenant",)
+_TENANT_REASON = ("tenant", "finish_reason")
 #: Every metric family, in exposition order. The code below takes each family's type, help and labels
 #: from here, and docs/metrics-and-energy.md is generated from it (scripts/gen_docs.py).
 METRICS: tuple[MetricSpec, ...] = (
@@ -73,6 +77,19 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("request_prompt_tokens", "counter", "Prompt tokens of completed requests", _FAMILY),
     MetricSpec("request_output_tokens", "counter", "Output tokens of completed requests", _FAMILY),
     MetricSpec("request_energy_joules", "counter", "GPU energy attributed to completed requests", _FAMILY),
+    MetricSpec("tenant_requests", "counter", "Completed requests per tenant by the engine's finish reason (error: "
+               "failed in the engine; abort: ended by the API server, e.g. the client left); requests the API "
+               "server refuses (401, 403, 413, 429) never reach the engine and are not counted", _TENANT_REASON),
+    MetricSpec("tenant_prompt_tokens", "counter", "Prompt tokens of completed requests per tenant", _TENANT),
+    MetricSpec("tenant_cached_prompt_tokens", "counter", "Prompt tokens served from the prefix cache per tenant",
+               _TENANT),
+    MetricSpec("tenant_output_tokens", "counter", "Output tokens of completed requests per tenant", _TENANT),
+    MetricSpec("tenant_energy_joules", "counter", "GPU energy attributed to completed requests per tenant (0 "
+               "without NVML)", _TENANT),
+    MetricSpec("tenant_request_time_to_first_token_seconds", "histogram", "Arrival to first output token of each "
+               "completed request per tenant (requests that produced no token are not counted)", _TENANT),
+    MetricSpec("tenant_request_e2e_latency_seconds", "histogram", "Arrival to completion of each completed request "
+               "per tenant", _TENANT),
     MetricSpec("requests_waiting", "gauge", "Requests waiting to be scheduled", _RANK),
     MetricSpec("requests_running", "gauge", "Requests in the running batch", _RANK),
     MetricSpec("engine_steps", "counter", "Engine scheduling steps", _RANK),
@@ -131,6 +148,22 @@ def _histogram(name: str, per_family: dict[str, Histogram]) -> HistogramMetricFa
     return family
 
 
+def _tenant_families(tenants: dict[str, TenantStats]) -> Iterator[Metric]:
+    requests = _family("tenant_requests")
+    counters = [_family(name) for name in ("tenant_prompt_tokens", "tenant_cached_prompt_tokens",
+                                           "tenant_output_tokens", "tenant_energy_joules")]
+    for label, usage in sorted(tenants.items()):
+        for reason, count in sorted(usage.requests.items()):
+            requests.add_metric([label, reason], count)
+        values = (usage.prompt_tokens, usage.cached_prompt_tokens, usage.output_tokens, usage.energy_j)
+        for family, value in zip(counters, values, strict=True):
+            family.add_metric([label], value)
+    yield requests
+    yield from counters
+    yield _histogram("tenant_request_time_to_first_token_seconds", {k: v.ttft for k, v in tenants.items()})
+    yield _histogram("tenant_request_e2e_latency_seconds", {k: v.e2e for k, v in tenants.items()})
+
+
 def families(snap: Snapshot) -> Iterator[Metric]:
     """Every metric family, in a stable order."""
     if snap.info is not None:
@@ -169,6 +202,7 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     yield prompt
     yield output
     yield energy
+    yield from _tenant_families(snap.tenants)
 
     # -- engine state (from each engine core, twice a second) --
     if snap.ranks:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from carbonforge_runtime.core.energy_policy import Signals
 from carbonforge_runtime.core.feed_protocol import EngineState, RequestSample
 from carbonforge_runtime.core.quantiles import quantile
+from carbonforge_runtime.core.tenant_labels import MAX_TENANT_LABELS, RESERVED_TENANT_NAMES, tenant_label
 from carbonforge_runtime.gpu.types import GpuReading
 from carbonforge_runtime.runtime.energy.controller import ControllerStatus
 from carbonforge_runtime.runtime.metrics.receiver import ReceiverStats
@@ -63,6 +64,28 @@ class FamilyStats:
     requests: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
+@dataclass
+class TenantStats:
+    """Usage of one tenant label (a tenant, ``default`` or ``other``), summed over data-parallel ranks."""
+
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    energy_j: float = 0.0
+    #: finish reason -> count
+    requests: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> TenantStats:
+        return TenantStats(_copy(self.ttft), _copy(self.e2e), self.prompt_tokens, self.cached_prompt_tokens,
+                           self.output_tokens, self.energy_j, dict(self.requests))
+
+
+def _copy(hist: Histogram) -> Histogram:
+    return Histogram(hist.buckets, list(hist.counts), hist.total, hist.count)
+
+
 @dataclass(frozen=True)
 class Info:
     runtime_version: str
@@ -97,13 +120,18 @@ class Snapshot:
     joules_per_output_token: float | None
     #: Hosts of a multi-host group this host has found lost (None when it serves alone).
     group_hosts_lost: int | None = None
+    #: Tenant label -> its usage (labels bounded by :func:`~carbonforge_runtime.core.tenant_labels.tenant_label`).
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
 
 
 class RuntimeState:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_tenants: int = MAX_TENANT_LABELS) -> None:
         self.clock = clock
         self._lock = threading.Lock()
         self._families: dict[str, FamilyStats] = {}
+        self._tenants: dict[str, TenantStats] = {}
+        self._labelled_tenants: set[str] = set()  # tenants with a label of their own
+        self.max_tenants = max_tenants
         self._recent: deque[tuple[float, float, float | None]] = deque()  # (t, queue wait, ttft)
         self._engines: dict[int, tuple[EngineState, float]] = {}  # rank -> (last state, when)
         # per rank: (t, steps, tokens)
@@ -136,10 +164,29 @@ class RuntimeState:
                     stats.energy_j += s.energy_j
                 key = (s.finish_reason, dp_rank)
                 stats.requests[key] = stats.requests.get(key, 0) + 1
+                self._count_tenant(s)
                 self.output_tokens_total += s.output_tokens
                 self._recent.append((now, s.queue_wait_s, s.ttft_s))
             while self._recent and now - self._recent[0][0] > MAX_GUARD_WINDOW_S:
                 self._recent.popleft()
+
+    def _count_tenant(self, s: RequestSample) -> None:
+        """Add ``s`` to its tenant's usage (under the lock)."""
+        label = tenant_label(s.tenant, self._labelled_tenants, self.max_tenants)
+        usage = self._tenants.get(label)
+        if usage is None:
+            if label not in RESERVED_TENANT_NAMES:
+                self._labelled_tenants.add(label)
+            usage = self._tenants[label] = TenantStats()
+        if s.ttft_s is not None:
+            usage.ttft.observe(s.ttft_s)
+        usage.e2e.observe(s.e2e_latency_s)
+        usage.prompt_tokens += s.prompt_tokens
+        usage.cached_prompt_tokens += s.cached_prompt_tokens
+        usage.output_tokens += s.output_tokens
+        if s.energy_j is not None:
+            usage.energy_j += s.energy_j
+        usage.requests[s.finish_reason] = usage.requests.get(s.finish_reason, 0) + 1
 
     def on_engine_state(self, state: EngineState, dp_rank: int = 0) -> None:
         now = self.clock()
@@ -204,4 +251,5 @@ class RuntimeState:
                 info=self.info,
                 joules_per_output_token=self.joules_per_output_token,
                 group_hosts_lost=hosts_lost,
+                tenants={label: usage.copy() for label, usage in self._tenants.items()},
             )

@@ -32,7 +32,7 @@ def completion(**overrides: Any) -> Completion:
 
 
 def test_the_record_carries_the_tags_and_model_at_every_level() -> None:
-    assert EXTRA_FIELDS[-2:] == ("model", "tags")
+    assert EXTRA_FIELDS[-3:-1] == ("model", "tags")
     for level in ("standard", "full"):
         record = build_record(completion(), "fcfs", level, lambda ids, skip: "")
         assert record["tags"] == TAGS and record["model"] == "Qwen/Qwen3-0.6B", level
