@@ -105,6 +105,10 @@ MSG_NO_TOOLS = "This model does not support tool calls"
 MSG_NO_KEY = "Authentication Error, No api key passed in."
 MSG_WRONG_KEY = "Authentication Error, Invalid API key passed in."
 MSG_TOO_LARGE = "Request body too large"
+MSG_EXPIRED_KEY = "Authentication Error, the API key has expired."
+MSG_NO_SCOPE = "Permission Error, the API key lacks the scope"
+MSG_RATE_LIMIT = "Rate limit reached for requests"
+MSG_CONCURRENCY = "Too many requests in flight"
 MSG_LICENCE_EXPIRED = "The licence this server runs under has expired; new requests are refused"
 
 
@@ -166,17 +170,43 @@ class ApiError:
     param: str | None = None
     code: str | None = None
     type: str = "invalid_request_error"
+    #: Headers the answer carries besides its content type and length (``WWW-Authenticate``,
+    #: ``Retry-After``, the rate-limit headers).
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def body(self) -> bytes:
         return orjson.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
                                        "code": self.code}})
 
 
-def auth_error(key_sent: bool) -> ApiError:
-    """The 401 for a request vLLM's key check refused: no key at all, or a wrong one."""
+def auth_error(key_sent: bool, message: str | None = None) -> ApiError:
+    """The 401 for a request whose key is refused: no key at all, or one that is unknown, revoked or
+    expired (``message`` says which where it is not just unknown), with ``WWW-Authenticate`` as RFC
+    6750 has it (``error="invalid_token"`` for a key sent)."""
     if key_sent:
-        return ApiError(401, MSG_WRONG_KEY, None, "invalid_api_key", "authentication_error")
-    return ApiError(401, MSG_NO_KEY, None, "missing_api_key", "authentication_error")
+        return ApiError(401, message or MSG_WRONG_KEY, None, "invalid_api_key", "authentication_error",
+                        ((b"www-authenticate", b'Bearer error="invalid_token"'),))
+    return ApiError(401, MSG_NO_KEY, None, "missing_api_key", "authentication_error",
+                    ((b"www-authenticate", b"Bearer"),))
+
+
+def scope_error(scope: str) -> ApiError:
+    """The 403 for a valid key without the scope the route needs."""
+    return ApiError(403, f"{MSG_NO_SCOPE}: this route needs the scope '{scope}'", None, "insufficient_scope",
+                    "permission_error",
+                    ((b"www-authenticate", f'Bearer error="insufficient_scope", scope="{scope}"'.encode()),))
+
+
+def rate_limit_error(limit: int, headers: tuple[tuple[bytes, bytes], ...]) -> ApiError:
+    """The 429 for a key past its requests per minute (``headers``: the rate-limit ones and ``Retry-After``)."""
+    return ApiError(429, f"{MSG_RATE_LIMIT}: the limit of this key is {limit} requests per minute", None,
+                    "rate_limit_exceeded", "rate_limit_error", headers)
+
+
+def concurrency_error(limit: int, headers: tuple[tuple[bytes, bytes], ...]) -> ApiError:
+    """The 429 for a key with as many requests in flight as it may have."""
+    return ApiError(429, f"{MSG_CONCURRENCY}: this key may have {limit} requests in flight", None,
+                    "concurrency_limit_exceeded", "rate_limit_error", headers)
 
 
 def too_large_error(limit: int) -> ApiError:
@@ -250,11 +280,14 @@ def _wants_tools(request: Mapping[str, Any]) -> bool:
     return bool(request.get("tools")) and request.get("tool_choice") != "none"
 
 
-def check_request(path: str, body: bytes, contract: ApiContract, task_header: bytes = b"") -> bytes | ApiError:
+def check_request(path: str, body: bytes, contract: ApiContract, task_header: bytes = b"",
+                  tenant: Mapping[str, str | int | float] | None = None) -> bytes | ApiError:
     """The body to forward for a POST to ``path`` (the routed path, see :func:`route_path`): ``body``
     itself when nothing changes, a rewritten body, or the error to answer with. Paths outside
     :data:`ROUTES` are not looked at. ``task_header`` is the request's ``X-CF-Task`` header
-    (``b""``: none), recorded as the tag ``task``."""
+    (``b""``: none), recorded as the tag ``task``. ``tenant`` holds the reserved ``vllm_xargs``
+    entries of the request's named key (:func:`~carbonforge_runtime.core.request_tags.tenant_args`),
+    written where the route reaches the engine; None: no named key, no tenant."""
     route = ROUTES.get(path)
     if route is None:
         return body
@@ -275,19 +308,20 @@ def check_request(path: str, body: bytes, contract: ApiContract, task_header: by
         verdict = _check_responses(request, body, contract)
     if isinstance(verdict, ApiError):
         return verdict
-    return _tagged(verdict, body, request, route, task_header)
+    return _tagged(verdict, body, request, route, task_header, tenant)
 
 
-def _tagged(verdict: bytes, body: bytes, request: dict[str, Any], route: Route, task_header: bytes) -> bytes | ApiError:
-    """``verdict`` (the body to forward, parsed from ``body`` as ``request``) with the request's tags and
-    model name in ``vllm_xargs`` where the route reaches the engine, and without a client's values
-    under the reserved keys on every route."""
-    added: dict[str, str] = {}
+def _tagged(verdict: bytes, body: bytes, request: dict[str, Any], route: Route, task_header: bytes,
+            tenant: Mapping[str, str | int | float] | None = None) -> bytes | ApiError:
+    """``verdict`` (the body to forward, parsed from ``body`` as ``request``) with the request's tags,
+    model name and tenant in ``vllm_xargs`` where the route reaches the engine, and without a client's
+    values under the reserved keys on every route."""
+    added: dict[str, str | int | float] = {}
     if route.tags:
         tags = request_tags(request.get("metadata") if route.metadata else None, task_header)
         if isinstance(tags, TagError):
             return ApiError(400, tags.message, tags.param, tags.code)
-        added = tag_args(tags, request.get("model"))
+        added = {**tag_args(tags, request.get("model")), **(tenant or {})}
     if route.kind != "generate" and "vllm_xargs" not in request:  # the common case: add, no re-serialising
         return _with_fields(verdict, {"vllm_xargs": added}) if added else verdict
     document = request if verdict is body else orjson.loads(verdict)

@@ -140,6 +140,12 @@ def tag_args(tags: Mapping[str, str], model: Any) -> dict[str, str]:
     return args
 
 
+def tenant_args(tenant: str, priority: int, share: float) -> dict[str, str | int | float]:
+    """The reserved ``vllm_xargs`` entries for a request made with the named key ``tenant``: its name,
+    priority class and fair share (never the key itself)."""
+    return {TENANT_ARG: tenant, PRIORITY_ARG: priority, SHARE_ARG: share}
+
+
 def _valid_tags(value: Any) -> bool:
     return (isinstance(value, dict) and len(value) <= MAX_TAGS + 1 and all(
         isinstance(k, str) and 0 < len(k) <= MAX_KEY_CHARS and isinstance(v, str) and len(v) <= MAX_VALUE_CHARS
