@@ -32,6 +32,30 @@ def _summarize(files: list[Path], window_s: float) -> Any:
         _warn(summary_mod.problem_lines(summarizer.files, summarizer.bad_examples, summarizer.bad_total))
 
 
+def _chargeback(files: list[Path], by: str, json_output: bool) -> None:
+    """``summarize --by tenant``: usage per tenant; damaged input is reported on stderr, not raised."""
+    from carbonforge_runtime.errors import UsageError
+    from carbonforge_runtime.offline.trace_reader import trace_files
+    from carbonforge_runtime.offline.trace_tools import chargeback
+    from carbonforge_runtime.offline.trace_tools import summarize as summary_mod
+
+    if by not in chargeback.GROUP_BY:
+        raise UsageError(f"--by {by!r} is not a grouping", f"give --by {' or '.join(chargeback.GROUP_BY)}")
+    summarizer = chargeback.TenantSummarizer()
+    try:
+        for path in trace_files(files):
+            summarizer.feed_file(path)
+        result = summarizer.result()
+    finally:
+        _warn(summary_mod.problem_lines(summarizer.files, summarizer.bad_examples, summarizer.bad_total))
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        typer.echo(chargeback.render_text(result))
+
+
 def _warn(lines: list[str]) -> None:
     for line in lines:
         typer.echo(line, err=True)
@@ -44,11 +68,17 @@ def summarize(
                                        show_default=False),
     window: str = typer.Option("60s", "--window", help="Window length for the over-time table (60s, 5m, 1h)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document instead of text."),
+    by: str | None = typer.Option(None, "--by", help="Group by tenant instead: a chargeback table of requests, "
+                                  "tokens, mean and p99 latency and energy per tenant (--window is not used).",
+                                  show_default=False),
 ) -> None:
     """Latency, queueing and throughput figures, per window and per scheduler family, with a verdict."""
     from carbonforge_runtime.offline.trace_tools import summarize as summary_mod
 
     def run() -> None:
+        if by is not None:
+            _chargeback(files, by, json_output)
+            return
         window_s = summary_mod.parse_window(window)
         result = _summarize(files, window_s)
         if json_output:
