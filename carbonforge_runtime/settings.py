@@ -166,7 +166,8 @@ VarName = Literal[
     "CF_GPU_MEMORY_UTILIZATION", "CF_VLLM_EXTRA_ARGS", "CF_RECIPES_DIR", "CF_LOG_DIR", "CF_PORT", "CF_HOST",
     "CF_METRICS_PORT", "CF_METRICS_HOST", "CF_FAKE_NVML", "CF_READY_TIMEOUT_S", "CF_TINY_MODEL_DIR",
     "CF_COMPILE_CACHE_DIR",
-    "HF_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_NNODES",
+    "HF_TOKEN", "HF_HUB_OFFLINE", "HUGGINGFACE_HUB_CACHE", "CF_API_KEY", "CF_API_KEY_FILE", "CF_API_KEYS_FILE",
+    "CF_NNODES",
     "CF_MAX_REQUEST_BYTES",
     "CF_NODE_RANK", "CF_MASTER_ADDR", "CF_MASTER_PORT", "CF_GROUP_PORT", "CF_GROUP_SECRET", "CF_GROUP_SECRET_FILE",
     "CF_JOIN_TIMEOUT_S", "LWS_GROUP_SIZE",
@@ -311,6 +312,12 @@ class Settings:
     api_key_file = Var("CF_API_KEY_FILE",
                        "File holding the API key (e.g. a read-only secret mount); CF_API_KEY wins",
                        _text, read=_text_or_none)
+    api_keys_file = Var("CF_API_KEYS_FILE",
+                        "YAML file of named API keys (each a tenant: the SHA-256 of its secret, scopes, optional "
+                        "requests per minute, in-flight limit, priority, share and expiry; `carbonforge-runtime "
+                        "keys new` makes an entry), re-read when it changes; beside it, CF_API_KEY stays valid "
+                        "with every scope and no limit",
+                        _text, read=_text_or_none)
     max_request_bytes = Var("CF_MAX_REQUEST_BYTES",
                             "Largest request body the API reads, in bytes; a larger one is answered 413 "
                             "`request_too_large` before it is read in full",

@@ -107,6 +107,9 @@ app.add_typer(trace_app, name="trace")
 from carbonforge_runtime.cli.license import license_app  # noqa: E402
 
 app.add_typer(license_app, name="license")
+from carbonforge_runtime.cli.keys import keys_app  # noqa: E402
+
+app.add_typer(keys_app, name="keys")
 
 def gpu_backend() -> GpuBackend:
     """The GPU backend commands use; tests replace this function."""

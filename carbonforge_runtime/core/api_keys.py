@@ -331,5 +331,8 @@ def entry_yaml(name: str, secret: str, scopes: Iterable[str], requests_per_minut
         if value is not None:
             fields[label] = value
     text = yaml.safe_dump([fields], sort_keys=False, default_flow_style=None, width=200)
-    parse_keys("keys:\n" + "".join("  " + line + "\n" for line in text.splitlines()), "the new entry")
+    try:
+        _entry(yaml.safe_load(text)[0])  # as the file will read it
+    except _EntryError as exc:
+        raise KeysFileError(f"the new key: {exc.args[0]}", exc.args[1]) from None
     return text

@@ -10,12 +10,14 @@ run and a real launch of the same options run the same command.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from carbonforge_runtime.core.api_contract import EFFORTS
+from carbonforge_runtime.core.api_keys import KEYS_FILE_VARIABLE, SHORTCUT_DIGEST_VARIABLE
 from carbonforge_runtime.core.contract import StepLogConfig, TraceConfig, full_level_banner_lines
 from carbonforge_runtime.core.ordering.registry import make_family
 from carbonforge_runtime.core.redaction import redact_args, redact_url
@@ -55,7 +57,7 @@ from carbonforge_runtime.settings import Settings
 #: Secrets the runtime reads and the engine never needs: kept out of the engine's environment (and so
 #: out of /proc/<pid>/environ of every vLLM process).
 RUNTIME_ONLY_VARIABLES = frozenset({"CARBONFORGE_LICENSE_KEY", "CF_API_KEY", "CF_API_KEY_FILE", "CF_GROUP_SECRET",
-                                    "CF_GROUP_SECRET_FILE"})
+                                    "CF_GROUP_SECRET_FILE", "CF_API_KEYS_FILE", "CF_API_KEY_SHA256"})
 #: The variable vLLM's API server reads its key from; set, every /v1 request must carry it.
 ENGINE_KEY_VARIABLE = "VLLM_API_KEY"
 
@@ -163,13 +165,14 @@ def _compile_cache(launch: LaunchPlan, settings: Settings, environ: Mapping[str,
 
 def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, Recipe],
                environ: Mapping[str, str], cwd: str | None = None, weights_present: str | None = None,
-               api_key: str | None = None) -> ServePlan:
+               api_key: str | None = None, keys_file: str | None = None) -> ServePlan:
     """The plan for ``options``; raises :class:`UsageError` (or another fixable error) on options
     that cannot be served. ``environ`` is the runtime's environment, which the engine inherits.
     ``weights_present`` says why the weights of :func:`model_source` need no download (already in the
     Hugging Face cache, a local directory), or is None when they are not on this machine; the engine
     then serves offline (:mod:`~carbonforge_runtime.runtime.engine_env.privacy`). ``api_key`` is the key clients
-    must send (CF_API_KEY or the file CF_API_KEY_FILE, read by the caller)."""
+    must send (CF_API_KEY or the file CF_API_KEY_FILE, read by the caller); ``keys_file`` the keys file
+    of named keys (CF_API_KEYS_FILE, checked by the caller), which vLLM's API server reads itself."""
     messages: list[Message] = []
     group = resolve_group(settings, options.group_flags())
     check_no_group_flags([*settings.vllm_extra_args, *options.vllm_args])
@@ -178,8 +181,7 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     # what only the runtime may read.
     base_env = engine_environment(environ, parse_pass_list(settings.engine_env_pass), never=RUNTIME_ONLY_VARIABLES)
     base_env.setdefault("PYTHONUNBUFFERED", "1")
-    if api_key:
-        base_env[ENGINE_KEY_VARIABLE] = api_key
+    _key_env(base_env, api_key, keys_file)
     if options.context_key:
         recipe = resolve(options.context_key, recipes)
         check_recipe_fits(recipe, group)
@@ -276,8 +278,21 @@ def _step_log(launch: LaunchPlan, options: ServeOptions, cwd: str | None, messag
     messages.append(Message("info", f"step log: one line per engine step to {path} (for sim-calibrate)"))
 
 
+def _key_env(env: dict[str, str], api_key: str | None, keys_file: str | None) -> None:
+    """Tell the API server its keys. One key alone goes to vLLM as ``VLLM_API_KEY`` (vLLM checks it
+    too). With a keys file, vLLM's own check would refuse the named keys, so the middleware alone
+    checks them: it gets the file's path and, for ``CF_API_KEY`` beside it, the key's SHA-256 only."""
+    if keys_file is None:
+        if api_key:
+            env[ENGINE_KEY_VARIABLE] = api_key
+        return
+    env[KEYS_FILE_VARIABLE] = keys_file
+    if api_key:
+        env[SHORTCUT_DIGEST_VARIABLE] = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
 def api_keys_required(launch: LaunchPlan) -> bool:
-    return bool(launch.env.get(ENGINE_KEY_VARIABLE))
+    return bool(launch.env.get(ENGINE_KEY_VARIABLE) or launch.env.get(KEYS_FILE_VARIABLE))
 
 
 def _api_access(launch: LaunchPlan, messages: list[Message]) -> None:
@@ -442,6 +457,9 @@ def describe_api(launch: LaunchPlan) -> list[str]:
     given = read(engine_args(launch.argv))
     keys = ("required (Authorization: Bearer)" if api_keys_required(launch)
             else "none: open to anyone who can reach the port")
+    if launch.env.get(KEYS_FILE_VARIABLE):
+        keys += (f"; named keys from {launch.env[KEYS_FILE_VARIABLE]} (re-read when it changes)"
+                 + (", and CF_API_KEY with every scope" if launch.env.get(SHORTCUT_DIGEST_VARIABLE) else ""))
     out = [f"API keys:           {keys}"]
     reasoning = given.value(REASONING_FLAG)
     out.append(f"reasoning parser:   {reasoning or 'none (the model does not reason)'}")

@@ -1,8 +1,12 @@
-"""The API key clients must send: from CF_API_KEY, or read from the file CF_API_KEY_FILE names."""
+"""The API key clients must send: from CF_API_KEY, or read from the file CF_API_KEY_FILE names; and
+the keys file of named keys, CF_API_KEYS_FILE, checked before anything starts."""
 
 from __future__ import annotations
 
+import os
+
 from carbonforge_runtime import files
+from carbonforge_runtime.core.api_keys import load_keys
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.settings import Settings
 
@@ -33,3 +37,15 @@ def read_api_key(settings: Settings) -> str | None:
     if not key or any(ch.isspace() for ch in key):
         raise UsageError(f"CF_API_KEY_FILE={path}: holds no key, or a key with spaces in it", fix)
     return key
+
+
+def check_keys_file(settings: Settings) -> str | None:
+    """The absolute path of CF_API_KEYS_FILE once it reads as a valid keys file (None: not set); the
+    API server reads it again, and whenever it changes. An unusable file stops the start-up with the
+    entry, the line and the fix (:class:`~carbonforge_runtime.core.api_keys.KeysFileError`)."""
+    path = settings.api_keys_file
+    if not path:
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    load_keys(path)
+    return path

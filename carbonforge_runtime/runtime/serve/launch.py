@@ -52,7 +52,7 @@ from carbonforge_runtime.runtime.planning.plan import (
 from carbonforge_runtime.runtime.process.startup_phases import repo_cache_folder
 from carbonforge_runtime.runtime.process.supervisor import GroupHooks
 from carbonforge_runtime.runtime.serve import address as serve_address
-from carbonforge_runtime.runtime.serve.api_key import read_api_key
+from carbonforge_runtime.runtime.serve.api_key import check_keys_file, read_api_key
 from carbonforge_runtime.runtime.weights.hub_cache import hub_cache_dir
 from carbonforge_runtime.runtime.weights.lock import (
     NO_LOCK,
@@ -123,7 +123,8 @@ def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str
     recipes = load_all_recipes(settings)
     source = model_source(options, recipes)
     present = weights_on_host(source.model, source.revision, source.builtin, environ) if source else None
-    plan = build_plan(options, settings, recipes, environ, weights_present=present, api_key=read_api_key(settings))
+    plan = build_plan(options, settings, recipes, environ, weights_present=present, api_key=read_api_key(settings),
+                      keys_file=check_keys_file(settings))
     _log_messages(plan)
     refusals: list[CarbonForgeError] = []
     try:
