@@ -83,9 +83,9 @@ OVERVIEW = Dashboard(
     file="carbonforge-overview.json",
     uid="carbonforge-overview",
     title="CarbonForge runtime: overview",
-    description="One CarbonForge deployment: traffic, latency, the engine's batch and KV cache, request traces, "
-                "data-parallel ranks and energy. Series: the runtime's metrics port (carbonforge_*, with --metrics) "
-                "and vLLM's /metrics on the API port (vllm:*).",
+    description="One CarbonForge deployment: traffic, latency, usage per tenant, the engine's batch and KV cache, "
+                "request traces, data-parallel ranks and energy. Series: the runtime's metrics port (carbonforge_*, "
+                "with --metrics) and vLLM's /metrics on the API port (vllm:*).",
     rows=(
         Row("Traffic", (
             Panel("Requests by finish reason", "reqps",
@@ -124,6 +124,52 @@ OVERVIEW = Dashboard(
                   "has room.",
                   (*_quantiles("carbonforge_request_queue_wait_seconds"),
                    _q("max(carbonforge_queue_wait_target_seconds)", "target (p90)"))),
+        )),
+        Row("Tenants", (
+            Panel("Requests by tenant", "reqps",
+                  "Completed requests per second per tenant (the name of the request's API key; 'default': "
+                  "requests without a named key; 'other': tenants past the runtime's first 64). One tenant taking "
+                  "most of the traffic while others' latency grows: give it a lower share or priority in the keys "
+                  "file, or a requests-per-minute limit.",
+                  (_q(f"sum by (tenant) (rate(carbonforge_tenant_requests_total[{WINDOW}]))", "{{tenant}}"),)),
+            Panel("Failed requests by tenant", "reqps",
+                  "Requests per second per tenant that ended with finish reason 'error' (failed in the engine: read "
+                  "the engine's log) or 'abort' (ended by the API server: the client left or timed out, or a stop "
+                  "string matched). Refusals before the engine (401, 403, 413, 429) are not in these series.",
+                  (_q(f'sum by (tenant) (rate(carbonforge_tenant_requests_total{{finish_reason="error"}}[{WINDOW}])) '
+                      f"or 0 * sum by (tenant) (rate(carbonforge_tenant_requests_total[{WINDOW}]))",
+                      "error, {{tenant}}"),
+                   _q(f'sum by (tenant) (rate(carbonforge_tenant_requests_total{{finish_reason="abort"}}[{WINDOW}])) '
+                      f"or 0 * sum by (tenant) (rate(carbonforge_tenant_requests_total[{WINDOW}]))",
+                      "abort, {{tenant}}"))),
+            Panel("Tokens by tenant", "short",
+                  "Prompt, cached prompt and output tokens per second per tenant: the usage a chargeback bills "
+                  "(trace summarize --by tenant gives the same from the trace). Cached prompt tokens cost little "
+                  "compute; a tenant with few of them and long prompts loads the prefill.",
+                  (_q(f"sum by (tenant) (rate(carbonforge_tenant_prompt_tokens_total[{WINDOW}]))",
+                      "prompt, {{tenant}}"),
+                   _q(f"sum by (tenant) (rate(carbonforge_tenant_cached_prompt_tokens_total[{WINDOW}]))",
+                      "cached prompt, {{tenant}}"),
+                   _q(f"sum by (tenant) (rate(carbonforge_tenant_output_tokens_total[{WINDOW}]))",
+                      "output, {{tenant}}"))),
+            Panel("Time to first token p95 by tenant", "s",
+                  "Arrival to the first output token, p95 per tenant (the runtime's histogram). One tenant's p95 "
+                  "far above the others' under the same load means it waits behind another tenant's burst: check "
+                  "the shares and priorities in the keys file.",
+                  (_q("histogram_quantile(0.95, sum by (tenant, le) "
+                      f"(rate(carbonforge_tenant_request_time_to_first_token_seconds_bucket[{WINDOW}])))",
+                      "{{tenant}}"),)),
+            Panel("End-to-end latency p95 by tenant", "s",
+                  "Arrival to completion, p95 per tenant. Grows with the tenant's output lengths; a rise at unchanged "
+                  "traffic for one tenant only points at queueing behind others (compare with its time to first "
+                  "token).",
+                  (_q("histogram_quantile(0.95, sum by (tenant, le) "
+                      f"(rate(carbonforge_tenant_request_e2e_latency_seconds_bucket[{WINDOW}])))", "{{tenant}}"),)),
+            Panel("GPU power by tenant", "watt",
+                  "GPU energy attributed to each tenant's completed requests per second (average watts over the "
+                  "window; 0 without NVML). The energy part of a chargeback: a tenant's share of it above its "
+                  "share of tokens means long prompts or small, inefficient batches.",
+                  (_q(f"sum by (tenant) (rate(carbonforge_tenant_energy_joules_total[{WINDOW}]))", "{{tenant}}"),)),
         )),
         Row("Engine", (
             Panel("Running and waiting requests", "short",
