@@ -296,7 +296,12 @@ def api_keys_required(launch: LaunchPlan) -> bool:
 
 
 def _api_access(launch: LaunchPlan, messages: list[Message]) -> None:
-    """One warning when the API takes requests without a key."""
+    """One warning when the API takes requests without a key; a refusal for vLLM's ``--api-key`` beside a
+    keys file (vLLM's own check of that key would refuse every named key)."""
+    if launch.env.get(KEYS_FILE_VARIABLE) and launch.env.get(ENGINE_KEY_VARIABLE):
+        raise UsageError("--api-key among vLLM's arguments cannot be used with CF_API_KEYS_FILE: vLLM would "
+                         "refuse every named key", "give that key through CF_API_KEY instead (it stays valid "
+                         "beside the keys file, with every scope)")
     if launch.serves_api and not api_keys_required(launch):
         messages.append(Message("warning", f"the API on port {launch.port} takes requests from anyone who can "
                                            "reach it: set CF_API_KEY (or CF_API_KEY_FILE) to require a key"))
