@@ -43,7 +43,8 @@ from carbonforge_runtime.core.contract import (
 )
 from carbonforge_runtime.core.feed_protocol import EngineCounters
 from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
-from carbonforge_runtime.core.ordering.registry import make_family, pick_next
+from carbonforge_runtime.core.ordering.registry import make_family
+from carbonforge_runtime.core.ordering.tenancy import Ledger, pick_fair, read_fairness, tenancy_of
 from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG, TENANT_ARG
 from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, Decoder, build_record, client_request_id
 from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
@@ -73,7 +74,7 @@ TRUE_OUTPUT_TOKENS_ARG = "cf_true_output_tokens"
 class _Live:
     """What the shim remembers about one request between arrival and completion."""
 
-    __slots__ = ("cached_prompt_tokens", "done", "peek_score", "priority_score", "request",
+    __slots__ = ("cached_prompt_tokens", "charged_output", "done", "peek_score", "priority_score", "request",
                  "t_first_token", "t_scheduled", "waiting")
 
     def __init__(self, request: Request) -> None:
@@ -85,6 +86,8 @@ class _Live:
         self.priority_score: float | None = None
         self.waiting: WaitingRequest | None = None
         self.done = False
+        #: Output tokens counted to the tenant's fair-share counter; -1 until the queue handed it to admission.
+        self.charged_output = -1
 
 
 def abort_delay(shutdown_timeout_s: float, flush_timeout_s: float) -> float:
@@ -109,10 +112,12 @@ def waiting_request(request: Request) -> WaitingRequest:
     """What a family sees of ``request`` (``cached_tokens`` is filled at peek time)."""
     params = request.sampling_params
     true_output = None
-    if params is not None and params.extra_args:
-        value = params.extra_args.get(TRUE_OUTPUT_TOKENS_ARG)
+    extra = params.extra_args if params is not None else None
+    if extra:
+        value = extra.get(TRUE_OUTPUT_TOKENS_ARG)
         if isinstance(value, int) and not isinstance(value, bool):
             true_output = value
+    tenant, priority, share = tenancy_of(extra)
     return WaitingRequest(
         request_id=client_request_id(request.request_id),
         arrival_time=request.arrival_time,
@@ -122,16 +127,22 @@ def waiting_request(request: Request) -> WaitingRequest:
         prefix_hash=prefix_hash(request.prompt_token_ids),
         num_preemptions=request.num_preemptions,
         true_output_tokens=true_output,
+        tenant=tenant,
+        priority=priority,
+        share=share,
     )
 
 
 class ScoredQueue(RequestQueue):
-    """vLLM's waiting queue, ordered by a family's score.
+    """vLLM's waiting queue, ordered by priority class, tenant and a family's score.
 
     Requests put back at the front (preempted ones, and those the scan skipped this step) are
     served first, in order, as in vLLM's own queue. The rest are scored at every
     ``peek_request`` (scores that read the prefix cache are only valid before the peeked
-    request allocates), and ``pop_request`` takes the request the last peek chose.
+    request allocates), and ``pop_request`` takes the request the last peek chose. With a
+    ``ledger`` the choice is :func:`~carbonforge_runtime.core.ordering.tenancy.pick_fair`'s (the
+    highest class, then the least-served tenant, then the family); a request taken from the pool
+    is charged its prompt to its tenant.
     """
 
     def __init__(
@@ -140,12 +151,18 @@ class ScoredQueue(RequestQueue):
         live: dict[str, _Live],
         cached_tokens_of: Callable[[Request], int],
         clock: Callable[[], float] = time.time,
+        ledger: Ledger | None = None,
     ) -> None:
         self.family = family
         self.live = live
         self.cached_tokens_of = cached_tokens_of
         #: pick_next's bound on overtaking; a family carries it (from its guard parameters).
         self.max_overtake_s: float | None = getattr(family, "max_overtake_s", None)
+        self.ledger = ledger
+        #: Brings the tenants' counters up to date with the output tokens generated (set by the scheduler).
+        self.sync_service: Callable[[], None] | None = None
+        #: Whether tokens were generated since the last sync (set at each step's output).
+        self.service_stale = False
         #: Past this many waiting requests the prefix cache is not asked (cached_tokens stays 0).
         self.cache_lookup_limit: int | None = getattr(family, "cache_lookup_limit", None)
         self.clock = clock
@@ -165,8 +182,18 @@ class ScoredQueue(RequestQueue):
         wr.cached_tokens = self.cached_tokens_of(request) if look_up_cache else 0
         return wr
 
+    def _known(self, request: Request) -> WaitingRequest:
+        state = self.live.get(request.request_id)
+        if state is None:
+            return waiting_request(request)
+        if state.waiting is None:
+            state.waiting = waiting_request(request)
+        return state.waiting
+
     def add_request(self, request: Request) -> None:
         self._pool.append(request)
+        if self.ledger is not None:
+            self.ledger.arrive(self._known(request))
 
     def peek_request(self) -> Request:
         if self._front:
@@ -178,16 +205,16 @@ class ScoredQueue(RequestQueue):
             self.cache_lookup_limit is None or len(self._pool) <= self.cache_lookup_limit
         )
         waiting = [self._waiting(r, look_up) for r in self._pool]
-        scores = []
-        for wr in waiting:
-            score = self.family.score(wr, now)
-            scores.append(float("-inf") if score is None else float(score))
-        index = pick_next(waiting, scores, now, self.max_overtake_s)
+        ledger = self.ledger
+        if ledger is not None and self.service_stale and ledger.mixed and self.sync_service is not None:
+            self.service_stale = False
+            self.sync_service()
+        index, score = pick_fair(waiting, self.family.score, now, self.max_overtake_s, ledger)
         chosen = self._pool[index]
         self._peeked, self._peeked_index = chosen, index
         state = self.live.get(chosen.request_id)
         if state is not None:
-            state.peek_score = scores[index]
+            state.peek_score = score if self.family.reorders else None
         return chosen
 
     def pop_request(self) -> Request:
@@ -200,7 +227,17 @@ class ScoredQueue(RequestQueue):
             self.peek_request()
             index = self._peeked_index
         self._peeked, self._peeked_index = None, -1
-        return self._pool.pop(index)
+        request = self._pool.pop(index)
+        ledger = self.ledger
+        if ledger is not None:
+            wr = self._known(request)
+            ledger.leave(wr)
+            state = self.live.get(request.request_id)
+            if state is None or state.charged_output < 0:
+                ledger.charge(wr.tenant, wr.share, prompt_tokens=wr.prompt_tokens)
+                if state is not None:
+                    state.charged_output = 0
+        return request
 
     def prepend_request(self, request: Request) -> None:
         self._front.appendleft(request)
@@ -216,6 +253,10 @@ class ScoredQueue(RequestQueue):
         if not gone:
             return
         self._front = deque(r for r in self._front if id(r) not in gone)
+        if self.ledger is not None:
+            for r in self._pool:
+                if id(r) in gone:
+                    self.ledger.leave(self._known(r))
         self._pool = [r for r in self._pool if id(r) not in gone]
         self._peeked, self._peeked_index = None, -1
 
@@ -268,6 +309,11 @@ class _CarbonForgeMixin:
         self._cf_contract = contract
         self._cf_family_name = contract.ordering.family
         self._cf_family: Family = make_family(contract.ordering.family, contract.ordering.params)
+        #: The tenants' fair-share counters and who waits (core/ordering/tenancy.py).
+        self._cf_ledger = Ledger(read_fairness(contract.ordering.family, contract.ordering.params))
+        #: A family that keeps vLLM's queue swaps in the scored queue once a second tenant (with
+        #: fairness on) or a second priority class arrives: (tenant, class) of the first request.
+        self._cf_first_tenancy: tuple[str, int] | None = None
         self._cf_live: dict[str, _Live] = {}
         self._cf_pending_first: list[_Live] = []
         self._cf_writer: TraceWriter | None = None
@@ -288,7 +334,7 @@ class _CarbonForgeMixin:
         # Per-request bookkeeping only when something consumes it.
         self._cf_track = self._cf_writer is not None or self._cf_family.reorders
         if self._cf_family.reorders:
-            self.waiting = ScoredQueue(self._cf_family, self._cf_live, self._cf_cached_tokens)
+            self.waiting = self._cf_scored_queue()
         base = "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler"
         trace = contract.tracing
         log.info(
@@ -357,6 +403,48 @@ class _CarbonForgeMixin:
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
+    def _cf_scored_queue(self) -> ScoredQueue:
+        queue = ScoredQueue(self._cf_family, self._cf_live, self._cf_cached_tokens, self._cf_clock, self._cf_ledger)
+        queue.sync_service = self._cf_sync_service
+        return queue
+
+    def _cf_watch_tenancy(self, request: Request) -> None:
+        """vLLM's own queue until requests of two tenants (fairness on) or two priority classes wait;
+        then the scored queue, holding what waits in the same order, for good."""
+        params = request.sampling_params
+        tenant, priority, _ = tenancy_of(params.extra_args if params is not None else None)
+        if not self._cf_ledger.fairness.on:
+            tenant = ""
+        first = self._cf_first_tenancy
+        if first is None:
+            self._cf_first_tenancy = (tenant, priority)
+            return
+        if first == (tenant, priority):
+            return
+        queue = self._cf_scored_queue()
+        self._cf_track = True
+        for waiting in self.waiting:
+            if waiting.request_id not in self._cf_live:
+                self._cf_live[waiting.request_id] = _Live(waiting)
+            queue.add_request(waiting)
+        self.waiting = queue
+        log.info("CarbonForge scheduler: requests of several tenants or priority classes: the waiting queue "
+                 "now orders by priority class%s, then %s order",
+                 ", then the least-served tenant" if self._cf_ledger.fairness.on else "", self._cf_family_name)
+
+    def _cf_sync_service(self) -> None:
+        """Count the output tokens generated since the last call to their tenants' counters."""
+        ledger = self._cf_ledger
+        live = self._cf_live
+        for request in self.running:
+            state = live.get(request.request_id)
+            if state is None or state.charged_output < 0 or state.waiting is None:
+                continue
+            generated = request.num_output_tokens
+            if generated > state.charged_output:
+                ledger.charge(state.waiting.tenant, state.waiting.share, output_tokens=generated - state.charged_output)
+                state.charged_output = generated
+
     def _cf_cached_tokens(self, request: Request) -> int:
         if request.num_computed_tokens:
             return int(request.num_computed_tokens)
@@ -369,6 +457,8 @@ class _CarbonForgeMixin:
         if self._cf_track and request.request_id not in self._cf_live and not request.is_finished():
             self._cf_live[request.request_id] = _Live(request)
         self._cf_counters.requests_arrived_total += 1
+        if not self._cf_family.reorders and not isinstance(self.waiting, ScoredQueue):
+            self._cf_watch_tenancy(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         steps = self._cf_steps
@@ -409,6 +499,9 @@ class _CarbonForgeMixin:
             if energy is not None:
                 energy.step_ended(scheduler_output, step_end, scheduler_output.num_scheduled_tokens, busy)
         if self._cf_track:
+            waiting = self.waiting
+            if waiting.__class__ is ScoredQueue:
+                waiting.service_stale = True
             now = self._cf_clock()
             pending = self._cf_pending_first
             if pending:
@@ -492,6 +585,11 @@ class _CarbonForgeMixin:
         request = state.request
         self._cf_counters.requests_completed_total += 1
         finish_reason = _FINISH_REASON.get(request.status, "abort")
+        charged = state.charged_output
+        if charged >= 0 and state.waiting is not None and request.num_output_tokens > charged:
+            self._cf_ledger.charge(state.waiting.tenant, state.waiting.share,
+                                   output_tokens=request.num_output_tokens - charged)
+            state.charged_output = request.num_output_tokens
         # Only natural ends teach the ranker: an aborted request's length says when the client left.
         if state.waiting is not None and finish_reason in ("stop", "length"):
             try:

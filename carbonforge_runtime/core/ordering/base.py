@@ -24,6 +24,9 @@ class WaitingRequest:
     prefix_hash: int  # stable hash of the leading prompt tokens
     num_preemptions: int
     true_output_tokens: int | None = None  # only for the benchmark-only oracle family
+    tenant: str = "default"  # the tenant of the request's API key (core/ordering/tenancy.py)
+    priority: int = 0  # the key's priority class: a higher class is served first
+    share: float = 1.0  # the key's fair share (weight) among the tenants of its class
 
 
 class Family(Protocol):
@@ -45,6 +48,8 @@ class ArrivalOrder:
 
     reorders = False
     needs_cache_lookup = False
+    #: The wait bound once priority classes or tenants reorder the queue (the family keeps arrival order).
+    max_overtake_s: float | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
