@@ -75,8 +75,8 @@ FIELD_MEANINGS: dict[str, str] = {
     "Every record of one request (each sample of `n > 1`, each prompt of `/v1/completions`) has the same tags.",
     "tenant": "The tenant the request was served for: the name of its API key in the keys file (`CF_API_KEYS_FILE`), "
     "never the key itself (printable, at most 64 characters); `null` for a request that came without a named key. "
-    "Readers count `null`, and an absent field (records written before the field existed), as the default tenant "
-    "`default`. Every record of one request has the same tenant.",
+    "`trace summarize --by tenant` and the `/metrics` series count `null`, and an absent field (records written "
+    "before the field existed), as the default tenant `default`. Every record of one request has the same tenant.",
     "prompt_text": "The prompt exactly as the engine served it, chat template and special tokens included.",
     "output_text": "The generated text, decoded as the API decodes it (special tokens skipped unless the "
     "request asked otherwise).",
