@@ -209,7 +209,7 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
         for r in requests:
             if r.index in rejected:
                 merged[r.index] = SimOutcome(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens,
-                                             finish_reason="error")
+                                             finish_reason="error", tenant=r.tenant, priority=r.priority)
         run.outcomes = [merged[r.index] for r in requests]
     engine = {"recipe": recipe.key_text, "family": family_name, "params": params,
               "max_num_seqs": twin.max_num_seqs, "max_num_batched_tokens": twin.max_num_batched_tokens,

@@ -39,6 +39,8 @@ class SimRequest:
     output_tokens: int
     blocks: tuple[int, ...] | None = None
     block_tokens: int = 0
+    tenant: str | None = None  # the trace's tenant column (None: the default tenant)
+    priority: int = 0  # the trace's priority column: the request's priority class
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ class SimOutcome:
     preemptions: int = 0
     priority_score: float | None = None
     finish_reason: str = "abort"
+    tenant: str | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

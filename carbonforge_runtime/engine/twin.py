@@ -14,7 +14,9 @@ step-by-step loop would call them; ``run_twin(..., fast_forward=False)`` keeps t
 loop, and the two give identical results.
 
 Our scheduler's request clock and its waiting queue's clock read the virtual clock, so the
-starvation guard ages requests in virtual time. Results are identical across processes only with
+starvation guard ages requests in virtual time. A request's tenant and priority class travel as the
+API server's middleware sends them (``vllm_xargs`` under the reserved keys), so the twin's queue
+orders classes and tenants with the engine's own code. Results are identical across processes only with
 ``PYTHONHASHSEED=0`` (vLLM iterates sets of request ids); the command line pins it.
 """
 
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, Ordering
+from carbonforge_runtime.core.request_tags import PRIORITY_ARG, TENANT_ARG
 from carbonforge_runtime.core.twin_data import (
     Sample,
     SimError,
@@ -195,7 +198,8 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
     kv_manager = scheduler.kv_cache_manager
     by_id = scheduler.requests
 
-    outcomes = [SimOutcome(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in requests]
+    outcomes = [SimOutcome(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, tenant=r.tenant,
+                           priority=r.priority) for r in requests]
     open_requests: dict[str, tuple[SimOutcome, Any]] = {}
     run = TwinRun(outcomes)
     # Coefficients in seconds, read once.
@@ -223,8 +227,12 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
         while arrived < total and requests[arrived].arrival_s <= until:
             item = requests[arrived]
             rid = str(item.index)
-            params = SamplingParams(max_tokens=item.output_tokens, ignore_eos=True,
-                                    extra_args={TRUE_OUTPUT_TOKENS_ARG: item.output_tokens})
+            extra: dict[str, Any] = {TRUE_OUTPUT_TOKENS_ARG: item.output_tokens}
+            if item.tenant is not None:
+                extra[TENANT_ARG] = item.tenant
+            if item.priority:
+                extra[PRIORITY_ARG] = item.priority
+            params = SamplingParams(max_tokens=item.output_tokens, ignore_eos=True, extra_args=extra)
             request = Request(rid, prompt_tokens(item), params, None, arrival_time=item.arrival_s,
                               block_hasher=hasher)
             open_requests[rid] = (outcomes[arrived], request)

@@ -53,15 +53,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from carbonforge_runtime.core.ordering.base import WaitingRequest
-from carbonforge_runtime.core.request_tags import PRIORITY_ARG, SHARE_ARG, TENANT_ARG
+from carbonforge_runtime.core.request_tags import PRIORITY_ARG, SHARE_ARG, TENANT_ARG, tenant_from_arg
+from carbonforge_runtime.core.tenant_labels import DEFAULT_TENANT
 from carbonforge_runtime.errors import UsageError
 
-#: The tenant of requests that carry none (no keys file, or the one-key shortcut).
-DEFAULT_TENANT = "default"
 DEFAULT_PRIORITY = 0
 DEFAULT_SHARE = 1.0
-#: Longest tenant name taken from a request; a longer value is not what the middleware writes.
-MAX_TENANT_CHARS = 256
 #: Priority classes beyond this magnitude, and shares outside (0, MAX_SHARE], are refused as bad values.
 MAX_PRIORITY = 1_000_000
 MAX_SHARE = 1e6
@@ -77,10 +74,9 @@ DEFAULT_MAX_OVERTAKE_S = 60.0
 
 
 def tenant_of(value: Any) -> str:
-    """The tenant name carried in :data:`TENANT_ARG`; :data:`DEFAULT_TENANT` for anything else."""
-    if isinstance(value, str) and 0 < len(value) <= MAX_TENANT_CHARS and value.isprintable():
-        return value
-    return DEFAULT_TENANT
+    """The tenant name carried in :data:`TENANT_ARG` (as the trace record reads it); :data:`DEFAULT_TENANT`
+    (``default``, the requests without a named key) for anything else."""
+    return tenant_from_arg(value) or DEFAULT_TENANT
 
 
 def priority_of(value: Any) -> int:

@@ -29,6 +29,8 @@ from carbonforge_runtime.offline.trace_reader import (
 )
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+#: Optional columns (and JSONL fields): the request's tenant and priority class, for the twin's fairness.
+TENANCY_COLUMNS = ("tenant", "priority")
 #: Digits of a fraction of a second that are read (nanoseconds); more are ignored.
 _FRACTION_DIGITS = 9
 
@@ -48,6 +50,8 @@ class RecordedRequest:
     prompt_text: str | None = None  # the rendered prompt (full-level traces)
     prefix_hash: int | None = None  # the engine's prefix hash, when the trace carries it
     template: str | None = None  # the generator's template name (synthetic workloads)
+    tenant: str | None = None  # the tenant column (None: the default tenant)
+    priority: int = 0  # the priority column: the request's priority class
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def _read_azure(path: Path, reader: Any) -> Recording:
         raise _fail(path, None, "the file is empty",
                     f"an Azure trace starts with the header {','.join(AZURE_COLUMNS)}")
     columns = [cell.strip() for cell in header]
-    unknown = [c for c in columns if c not in AZURE_COLUMNS]
+    unknown = [c for c in columns if c not in AZURE_COLUMNS and c not in TENANCY_COLUMNS]
     missing = [c for c in AZURE_COLUMNS if c not in columns]
     if unknown or missing:
         parts = []
@@ -180,9 +184,10 @@ def _read_azure(path: Path, reader: Any) -> Recording:
         if missing:
             parts.append(f"missing column(s) {', '.join(missing)}")
         raise _fail(path, 1, "; ".join(parts),
-                    f"the Azure trace format has exactly the columns {','.join(AZURE_COLUMNS)}")
-    where = {name: columns.index(name) for name in AZURE_COLUMNS}
-    rows: list[tuple[float, int, int]] = []
+                    f"the Azure trace format has exactly the columns {','.join(AZURE_COLUMNS)} "
+                    f"(and optionally {','.join(TENANCY_COLUMNS)})")
+    where = {name: columns.index(name) for name in AZURE_COLUMNS + TENANCY_COLUMNS if name in columns}
+    rows: list[tuple[float, int, int, str | None, int]] = []
     for row in reader:
         number = reader.line_num
         if not row or not any(cell.strip() for cell in row):
@@ -192,14 +197,43 @@ def _read_azure(path: Path, reader: Any) -> Recording:
         stamp = _parse_timestamp(path, number, row[where["TIMESTAMP"]])
         prompt = _count(path, number, "ContextTokens", row[where["ContextTokens"]], minimum=1)
         output = _count(path, number, "GeneratedTokens", row[where["GeneratedTokens"]], minimum=0)
-        rows.append((stamp, prompt, max(output, 1)))
+        tenant = tenant_field(path, number, row[where["tenant"]].strip() or None) if "tenant" in where else None
+        priority = priority_field(path, number, row[where["priority"]]) if "priority" in where else 0
+        rows.append((stamp, prompt, max(output, 1), tenant, priority))
     if not rows:
         raise _fail(path, None, "has a header but no requests", "replay a trace with at least one request")
-    return Recording(str(path), "azure-csv", _ordered((s, p, o, None, None, None) for s, p, o in rows))
+    return Recording(str(path), "azure-csv", _ordered((s, p, o, None, None, None, t, c) for s, p, o, t, c in rows))
+
+
+def tenant_field(path: Path, line: int, raw: Any) -> str | None:
+    """A tenant name (``None`` or absent: the default tenant)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not 0 < len(raw) <= 256 or not raw.isprintable():
+        raise _fail(path, line, f"tenant={_shown(raw)} is not a tenant name (printable text of 1 to 256 characters)",
+                    "fix or drop that line")
+    return raw
+
+
+def priority_field(path: Path, line: int, raw: Any) -> int:
+    """A priority class: a whole number (empty or absent: 0)."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return 0
+    if isinstance(raw, str):
+        try:
+            raw = int(raw.strip())
+        except ValueError:
+            raise _fail(path, line, f"priority={_shown(raw)} is not a whole number", "fix or drop that line") from None
+    if isinstance(raw, float) and raw.is_integer():
+        raw = int(raw)
+    if isinstance(raw, bool) or not isinstance(raw, int) or abs(raw) > 1_000_000:
+        raise _fail(path, line, f"priority={_shown(raw)} is not a whole number within +-1,000,000",
+                    "fix or drop that line")
+    return raw
 
 
 def _load_jsonl(path: Path) -> Recording:
-    rows: list[tuple[float, int, int, str | None, int | None, str | None]] = []
+    rows: list[tuple[float, int, int, str | None, int | None, str | None, str | None, int]] = []
     texts = 0
     for number, record in numbered_records(path):
         missing = [name for name in ("t_arrival", "prompt_tokens", "output_tokens") if name not in record]
@@ -216,22 +250,25 @@ def _load_jsonl(path: Path) -> Recording:
         raw_hash = record.get("prefix_hash")
         prefix_hash = int(raw_hash) if isinstance(raw_hash, int) and not isinstance(raw_hash, bool) else None
         template = record.get("template") if isinstance(record.get("template"), str) else None
-        rows.append((arrival, prompt, max(output, 1), text, prefix_hash, template))
+        tenant = tenant_field(path, number, record.get("tenant"))
+        priority = priority_field(path, number, record.get("priority"))
+        rows.append((arrival, prompt, max(output, 1), text, prefix_hash, template, tenant, priority))
     if not rows:
         raise _fail(path, None, "is empty", "replay a trace with at least one request")
     kind = "jsonl-full" if texts == len(rows) else "jsonl-standard"
     if kind == "jsonl-standard":
-        rows = [(s, p, o, None, h, t) for s, p, o, _, h, t in rows]
+        rows = [(s, p, o, None, h, t, n, c) for s, p, o, _, h, t, n, c in rows]
     return Recording(str(path), kind, _ordered(rows))
 
 
-def _ordered(rows: Iterable[tuple[float, int, int, str | None, int | None, str | None]]) -> tuple[RecordedRequest, ...]:
+def _ordered(rows: Iterable[tuple[float, int, int, str | None, int | None, str | None, str | None, int]]
+             ) -> tuple[RecordedRequest, ...]:
     # A stable sort keeps the file's order among equal timestamps.
     ordered = sorted(rows, key=lambda row: row[0])
     first = ordered[0][0]
     return tuple(
-        RecordedRequest(i, stamp - first, prompt, output, text, prefix_hash, template)
-        for i, (stamp, prompt, output, text, prefix_hash, template) in enumerate(ordered)
+        RecordedRequest(i, stamp - first, prompt, output, text, prefix_hash, template, tenant, priority)
+        for i, (stamp, prompt, output, text, prefix_hash, template, tenant, priority) in enumerate(ordered)
     )
 
 

@@ -1,5 +1,8 @@
 """Traces the twin replays, read into :class:`~carbonforge_runtime.core.twin_data.SimRequest` lists.
 
+* A request's tenant and priority class: the ``tenant`` and ``priority`` fields of our JSONL traces
+  and Mooncake JSONL, or columns of those names in the Azure CSV, where present (absent: the
+  default tenant, class 0).
 * Our JSONL traces (standard and full level) and the Azure CSV: read as ``replay`` reads them
   (:func:`carbonforge_runtime.offline.replay.trace.load_recording`). A full-level trace's prompt
   text names its content blocks: the text is cut in pieces of :data:`TEXT_CHARS_PER_BLOCK`
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from carbonforge_runtime.core.twin_data import SimError, SimRequest
-from carbonforge_runtime.offline.replay.trace import load_recording
+from carbonforge_runtime.offline.replay.trace import load_recording, priority_field, tenant_field
 from carbonforge_runtime.offline.trace_reader import (
     MAX_REQUEST_TOKENS,
     SIM_TRACE_INPUTS,
@@ -95,7 +98,7 @@ def load_trace(path: Path, mooncake_block_tokens: int = MOONCAKE_BLOCK_TOKENS) -
     for req in recording.requests:
         blocks = text_blocks(req.prompt_text) if req.prompt_text is not None else None
         requests.append(SimRequest(req.index, req.arrival_s, req.prompt_tokens, req.output_tokens, blocks,
-                                   TEXT_BLOCK_TOKENS if blocks is not None else 0))
+                                   TEXT_BLOCK_TOKENS if blocks is not None else 0, req.tenant, req.priority))
     return SimTrace(str(path), recording.kind, tuple(requests))
 
 
@@ -122,7 +125,7 @@ def _whole(path: Path, line: int, name: str, raw: Any, minimum: int, maximum: in
 
 
 def _load_mooncake(path: Path, block_tokens: int) -> SimTrace:
-    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
+    rows: list[tuple[float, int, int, tuple[int, ...], str | None, int]] = []
     for number, record in numbered_records(path):
         missing = [name for name in MOONCAKE_FIELDS if name not in record]
         if missing:
@@ -141,13 +144,15 @@ def _load_mooncake(path: Path, block_tokens: int) -> SimTrace:
             raise _fail(path, number, f"has {len(raw_ids)} hash ids for {prompt} tokens (at most {needed} blocks of "
                         f"{block_tokens})", "check --mooncake-block-tokens against the trace's block size")
         ids = tuple(_whole(path, number, "hash id", raw, 0, MAX_HASH_ID) for raw in raw_ids)
-        rows.append((float(stamp) / 1000.0, prompt, max(output, 1), ids))
+        tenant = tenant_field(path, number, record.get("tenant"))
+        rows.append((float(stamp) / 1000.0, prompt, max(output, 1), ids, tenant,
+                     priority_field(path, number, record.get("priority"))))
     if not rows:
         raise _fail(path, None, "is empty", "replay a trace with at least one request")
     rows.sort(key=lambda row: row[0])  # stable: the file's order among equal timestamps
     first = rows[0][0]
-    requests = tuple(SimRequest(i, stamp - first, prompt, output, ids, block_tokens)
-                     for i, (stamp, prompt, output, ids) in enumerate(rows))
+    requests = tuple(SimRequest(i, stamp - first, prompt, output, ids, block_tokens, tenant, priority)
+                     for i, (stamp, prompt, output, ids, tenant, priority) in enumerate(rows))
     return SimTrace(str(path), "mooncake-jsonl", requests)
 
 
@@ -172,5 +177,5 @@ def window(trace: SimTrace, options: WindowOptions) -> list[SimRequest]:
         prompt = max(1, min(round(req.prompt_tokens * scale), MAX_REQUEST_TOKENS))
         output = max(1, min(round(req.output_tokens * scale), MAX_REQUEST_TOKENS))
         block = max(1, round(req.block_tokens * scale)) if req.blocks is not None else 0
-        out.append(SimRequest(req.index, arrival, prompt, output, req.blocks, block))
+        out.append(SimRequest(req.index, arrival, prompt, output, req.blocks, block, req.tenant, req.priority))
     return out

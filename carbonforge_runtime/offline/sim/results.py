@@ -55,6 +55,41 @@ def _thin(points: list[Any]) -> list[Any]:
     return points[::stride]
 
 
+def _group_stats(outcomes: Sequence[SimOutcome], makespan: float) -> dict[str, Any]:
+    """Latency and throughput of one tenant's (or one class's) requests."""
+    done = [o for o in outcomes if o.completion_s is not None]
+    ttft = [t for o in done if (t := _ttft(o)) is not None]
+    e2e = [o.completion_s - o.arrival_s for o in done if o.completion_s is not None]
+    output = sum(o.generated_tokens for o in done)
+    return {
+        "requests": len(outcomes),
+        "completed": len(done),
+        "ttft_s": latency_stats(ttft),
+        "e2e_s": latency_stats(e2e),
+        "request_rate": len(done) / makespan if makespan > 0 else float("nan"),
+        "output_token_rate": output / makespan if makespan > 0 else float("nan"),
+    }
+
+
+def tenancy_sections(run: TwinRun) -> dict[str, Any]:
+    """Per-tenant figures when the trace names more than one tenant (requests without one are the
+    ``default`` tenant), and per-class figures when it has more than one priority class."""
+    from carbonforge_runtime.core.ordering.tenancy import DEFAULT_TENANT
+
+    tenants: dict[str, list[SimOutcome]] = {}
+    classes: dict[int, list[SimOutcome]] = {}
+    for o in run.outcomes:
+        tenants.setdefault(o.tenant if o.tenant is not None else DEFAULT_TENANT, []).append(o)
+        classes.setdefault(o.priority, []).append(o)
+    out: dict[str, Any] = {}
+    if len(tenants) > 1:
+        out["tenants"] = {name: _group_stats(group, run.makespan_s) for name, group in sorted(tenants.items())}
+    if len(classes) > 1:
+        out["priority_classes"] = {str(p): _group_stats(group, run.makespan_s)
+                                   for p, group in sorted(classes.items(), reverse=True)}
+    return out
+
+
 def sim_section(run: TwinRun, cost: StepCostModel, engine: Mapping[str, Any]) -> dict[str, Any]:
     """What the twin adds to the replay's summary."""
     done = [o for o in run.outcomes if o.completion_s is not None]
@@ -89,6 +124,7 @@ def sim_section(run: TwinRun, cost: StepCostModel, engine: Mapping[str, Any]) ->
         "kv_use": {"mean": sum(kv) / len(kv) if kv else 0.0, "max": max(kv, default=0.0),
                    "columns": ["t_s", "kv_usage", "running", "waiting"],
                    "timeline": _thin([[s.t_s, s.kv_usage, s.running, s.waiting] for s in run.samples])},
+        **tenancy_sections(run),
     }
 
 
@@ -105,6 +141,8 @@ def build_document(*, trace: str, trace_kind: str, model: str, options: Mapping[
         queue_wait = None if o.scheduled_s is None else o.scheduled_s - o.arrival_s
         entry.update({"ttft_s": _ttft(o), "queue_wait_s": queue_wait,
                       "cached_prompt_tokens": o.cached_prompt_tokens, "preemptions": o.preemptions})
+        if o.tenant is not None or o.priority:
+            entry.update({"tenant": o.tenant, "priority": o.priority})
         requests.append(entry)
     return {
         "trace": trace,
@@ -137,6 +175,7 @@ def records(run: TwinRun, rejected: Mapping[int, str], family: str, origin_s: fl
             t_first_token=at(o.first_token_s), t_completion=t_completion, prompt_tokens=o.prompt_tokens,
             output_tokens=o.generated_tokens, finish_reason=o.finish_reason,
             cached_prompt_tokens=o.cached_prompt_tokens, preemptions=o.preemptions, priority_score=o.priority_score,
+            tenant_arg=o.tenant,
         ), family=family, level=LEVEL_STANDARD))
     return out
 
@@ -175,4 +214,23 @@ def format_sim_table(document: Mapping[str, Any]) -> str:
     lines = [format_table(document["summary"])]
     width = max(len("per output token"), *(len(name) for name, _ in rows))
     lines.extend(f"{name.ljust(width)}  {value}" for name, value in rows)
+    for key, title in (("tenants", "tenant"), ("priority_classes", "priority class")):
+        if key in sim:
+            lines.extend(format_group_table(title, sim[key]))
     return "\n".join(lines)
+
+
+def format_group_table(title: str, groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per tenant (or class): requests, TTFT and e2e p50 / p99, throughput."""
+    header = (title, "requests", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99", "req/s", "out tok/s")
+    rows = [header]
+    for name, g in groups.items():
+        rows.append((name, f"{g['completed']}/{g['requests']}", f"{g['ttft_s']['p50']:.3f}",
+                     f"{g['ttft_s']['p99']:.3f}", f"{g['e2e_s']['p50']:.3f}", f"{g['e2e_s']['p99']:.3f}",
+                     f"{g['request_rate']:.3f}", f"{g['output_token_rate']:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    out = [""]
+    for r in rows:
+        out.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths,
+                                                                                                       strict=True))))
+    return out
