@@ -89,3 +89,17 @@ def test_the_tenant_series_pass_promtool() -> None:
     checked = promtool_check(text)
     assert checked.returncode == 0 and checked.stdout == b"" and checked.stderr == b"", checked
     assert total(values(text), "carbonforge_tenant_requests_total", tenant="Équipe \"données\"") == 1
+
+
+def test_the_keys_file_and_the_labels_agree_on_names() -> None:
+    """Every name the keys file accepts is recorded as sent and can be a label; the names the labels keep for
+    their own groups are the ones the keys file refuses."""
+    from carbonforge_runtime.core.api_keys import NAME_PATTERN, RESERVED_NAMES
+    from carbonforge_runtime.core.request_tags import MAX_TENANT_CHARS, tenant_from_arg
+    from carbonforge_runtime.core.tenant_labels import RESERVED_TENANT_NAMES
+
+    assert set(RESERVED_NAMES) == set(RESERVED_TENANT_NAMES)
+    longest = "a" * MAX_TENANT_CHARS
+    assert NAME_PATTERN.match(longest) and not NAME_PATTERN.match(longest + "a")
+    for name in ("team-a", "A.b_c-9", longest):
+        assert NAME_PATTERN.match(name) and tenant_from_arg(name) == name
