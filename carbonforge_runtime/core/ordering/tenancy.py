@@ -170,8 +170,8 @@ class Ledger:
         self.counters: dict[str, float] = {}
         #: (priority class, tenant) -> requests of it in the waiting pool
         self.waiting: dict[tuple[int, str], int] = {}
-        #: priority class -> the counter of the last tenant whose queue in that class emptied
-        self.last_left: dict[int, float] = {}
+        #: priority class -> the last tenant whose queue in that class emptied
+        self.last_left: dict[int, str] = {}
 
     @property
     def mixed(self) -> bool:
@@ -196,8 +196,8 @@ class Ledger:
                 value = self.counters.get(other, 0.0)
                 if floor is None or value < floor:
                     floor = value
-        if floor is None:
-            floor = self.last_left.get(priority)
+        if floor is None and priority in self.last_left:
+            floor = self.counters.get(self.last_left[priority], 0.0)
         if floor is not None and floor > self.counters.get(tenant, 0.0):
             self.counters[tenant] = floor
         elif tenant not in self.counters:
@@ -209,7 +209,7 @@ class Ledger:
         if count <= 1:
             if count:
                 del self.waiting[key]
-                self.last_left[req.priority] = self.counters.get(req.tenant, 0.0)
+                self.last_left[req.priority] = req.tenant
         else:
             self.waiting[key] = count - 1
 
