@@ -103,8 +103,10 @@ def pure_costs(reqs: list[dict[str, Any]], model_path: str) -> dict[str, tuple[f
     return out
 
 
-def queue_costs(reqs: list[dict[str, Any]], model_path: str) -> dict[str, float]:
-    """Seconds per admission (peek + pop) in the shim's ScoredQueue with a real KV cache manager."""
+def queue_costs(reqs: list[dict[str, Any]], model_path: str, tenants: int = 1) -> dict[str, float]:
+    """Seconds per admission (peek + pop) in the shim's ScoredQueue with a real KV cache manager, its
+    tenant ledger as the engine builds it, and the requests spread over ``tenants`` tenants (with more
+    than one, fcfs's queue is the scored queue too, and the counters decide between tenants)."""
     import torch
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -113,6 +115,7 @@ def queue_costs(reqs: list[dict[str, Any]], model_path: str) -> dict[str, float]
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
+    from carbonforge_runtime.core.ordering.tenancy import Ledger
     from carbonforge_runtime.engine.scheduler import ScoredQueue, _Live
 
     init_none_hash(sha256)
@@ -124,7 +127,9 @@ def queue_costs(reqs: list[dict[str, Any]], model_path: str) -> dict[str, float]
     hasher = get_request_block_hasher(BLOCK, sha256)
 
     def request(r: dict[str, Any], suffix: str = "") -> Any:
-        extra = {"cf_true_output_tokens": r["true_out"]}
+        extra: dict[str, Any] = {"cf_true_output_tokens": r["true_out"]}
+        if tenants > 1:
+            extra["cf_tenant"] = f"tenant-{int(r['id'][5:], 16) % tenants}"
         return Request(r["id"] + suffix, list(r["ids"]), SamplingParams(max_tokens=r["max_tokens"], extra_args=extra),
                        None, arrival_time=r["arrival"], block_hasher=hasher)
 
@@ -144,11 +149,11 @@ def queue_costs(reqs: list[dict[str, Any]], model_path: str) -> dict[str, float]
     out = {}
     for name in FAMILIES:
         family = make_family(name, family_params(name, model_path))
-        if not family.reorders:
+        if not family.reorders and tenants == 1:
             out[name] = 0.0
             continue
         live: dict[str, Any] = {}
-        queue = ScoredQueue(family, live, cached_tokens)
+        queue = ScoredQueue(family, live, cached_tokens, ledger=Ledger())
         pool = [request(r) for r in reqs]
         for req in pool:
             live[req.request_id] = _Live(req)
@@ -190,15 +195,16 @@ def main() -> int:
     parser.add_argument("--admissions", type=int, default=1, help="admissions per engine step")
     parser.add_argument("--step-ms", type=float, default=25.0, help="reference decode step of a GPU deployment")
     parser.add_argument("--engine", action="store_true", help="also measure the tiny CPU engine's decode step")
+    parser.add_argument("--tenants", type=int, default=1, help="spread the waiting requests over this many tenants")
     args = parser.parse_args()
     reqs = workload(args.waiting, seed=1)
     model_path = trained_model(Path("/tmp") / "bench-scoring-ltr.json")
     pure = pure_costs(reqs, model_path)
-    queue = queue_costs(reqs, model_path)
+    queue = queue_costs(reqs, model_path, args.tenants)
     steps = {f"{args.step_ms:g} ms reference": args.step_ms}
     if args.engine:
         steps["tiny CPU engine"] = engine_step_ms()
-    print(f"{args.waiting} waiting requests, {args.admissions} admission(s) per step")
+    print(f"{args.waiting} waiting requests of {args.tenants} tenant(s), {args.admissions} admission(s) per step")
     header = f"{'family':14s} {'score/req':>10s} {'pick (pure)':>12s} {'queue peek+pop':>15s}"
     for label in steps:
         header += f"  {'% of ' + label:>24s}"

@@ -250,6 +250,15 @@ def pick_next(
     return best
 
 
+def _scores(score: Callable[[WaitingRequest, float], float | None], waiting: Sequence[WaitingRequest],
+            now: float) -> list[float]:
+    scores = []
+    for w in waiting:
+        value = score(w, now)
+        scores.append(float("-inf") if value is None else float(value))
+    return scores
+
+
 def _score_of(score: Callable[[WaitingRequest, float], float | None], req: WaitingRequest, now: float) -> float:
     value = score(req, now)
     return float("-inf") if value is None else float(value)
@@ -265,7 +274,7 @@ def pick_fair(waiting: Sequence[WaitingRequest], score: Callable[[WaitingRequest
     if not waiting:
         raise ValueError("pick_fair needs at least one waiting request")
     if ledger is None or not ledger.mixed:
-        scores = [_score_of(score, w, now) for w in waiting]
+        scores = _scores(score, waiting, now)
         index = pick_next(waiting, scores, now, max_overtake_s)
         return index, scores[index]
     # The class: the highest with a request waiting, unless a request is past the wait bound: then
@@ -298,6 +307,6 @@ def pick_fair(waiting: Sequence[WaitingRequest], score: Callable[[WaitingRequest
         candidates = [i for i, w in enumerate(waiting) if w.priority == top and w.tenant == chosen]
     # The family, inside the turn, with its wait bound (past it: oldest first), as with one tenant.
     subset = [waiting[i] for i in candidates]
-    scores = [_score_of(score, w, now) for w in subset]
+    scores = _scores(score, subset, now)
     best = pick_next(subset, scores, now, max_overtake_s)
     return candidates[best], scores[best]
