@@ -390,11 +390,16 @@ def api_errors_table() -> str:
         LICENCE_EXPIRED_ERROR,
         RESPONSES_PATH,
         ApiContract,
+        MSG_EXPIRED_KEY,
         ApiError,
         auth_error,
         check_request,
+        concurrency_error,
+        rate_limit_error,
+        scope_error,
         too_large_error,
     )
+    from carbonforge_runtime.core.api_keys import INFERENCE_INVOKE
     from carbonforge_runtime.core.request_tags import MAX_KEY_CHARS, MAX_TAGS, MAX_TASK_CHARS, MAX_VALUE_CHARS
     from carbonforge_runtime.settings import DEFAULT_MAX_REQUEST_BYTES
 
@@ -434,8 +439,19 @@ def api_errors_table() -> str:
         refused(f"the `X-CF-Task` header is longer than {MAX_TASK_CHARS} characters, or not printable UTF-8 text",
                 b'{"messages": []}', thinking, task_header=b"a\x01"),
         fields("keys are required and the request has no `Authorization` header", auth_error(key_sent=False)),
-        fields("keys are required and the header holds another key (or is not `Bearer KEY`)",
+        fields("keys are required and the header holds another key, a revoked one (or is not `Bearer KEY`); "
+               "with `WWW-Authenticate: Bearer error=\"invalid_token\"` (without a key: `Bearer`)",
                auth_error(key_sent=True)),
+        fields("the named key has expired (its `expires` in the keys file)",
+               auth_error(key_sent=True, message=MSG_EXPIRED_KEY)),
+        fields("the named key lacks the scope the route needs (the message names it; `models:read` for "
+               "`GET /v1/models`, `inference:invoke` for requests to the engine: see [Routes](#routes)); with "
+               "`WWW-Authenticate: Bearer error=\"insufficient_scope\", scope=\"...\"`",
+               scope_error(INFERENCE_INVOKE)),
+        fields("the named key has spent its `requests_per_minute` (the message names the limit); with "
+               "`Retry-After` and the `x-ratelimit-*-requests` headers", rate_limit_error(60, ())),
+        fields("the named key has `max_in_flight` requests in flight already; with `Retry-After: 1`",
+               concurrency_error(4, ())),
         fields("the body is longer than `CF_MAX_REQUEST_BYTES` (the message names the limit; "
                f"{DEFAULT_MAX_REQUEST_BYTES} bytes unless set), by its `Content-Length` or as it streams in",
                too_large_error(DEFAULT_MAX_REQUEST_BYTES)),
@@ -547,8 +563,10 @@ class Generated:
 
 
 def api_routes_table() -> str:
-    """The paths open without a key, and the routes whose request bodies the contract judges."""
+    """The paths open without a key, and the routes whose request bodies the contract judges, with the
+    scope each needs of a named key."""
     from carbonforge_runtime.core.api_contract import PUBLIC_PATHS, ROUTES
+    from carbonforge_runtime.core.api_keys import MODELS_READ_PATHS, OPERATOR_PATHS, WHOAMI_PATH, required_scope
 
     checks = {
         "chat": "JSON object, `messages`, effort (`chat_template_kwargs`, `reasoning_effort`), tools; "
@@ -566,12 +584,23 @@ def api_routes_table() -> str:
             return ""
         return "`metadata`, `X-CF-Task`" if route.metadata else "`X-CF-Task`"
 
+    def scope(method: str, path: str) -> str:
+        needed = required_scope(method, path)
+        return _code(needed) if needed else "any valid key"
+
     rows = [(_code(path), "no", why, "", "") for path, why in PUBLIC_PATHS.items()]
-    rows += [(_code(path), "yes", checks[route.kind], "yes" if route.answers else "", tags(route))
-             for path, route in sorted(ROUTES.items())]
-    rows.append(("any other path", "yes", "the size limit only", "", ""))
-    return _table(["Path", "Key needed", "Checked before vLLM (for an open path: why it is open)",
-                   "`reasoning_content` added", "Tags recorded from"], rows)
+    rows.append((_code(f"GET {WHOAMI_PATH}"), scope("GET", WHOAMI_PATH),
+                 "answered by the runtime: the key's name, scopes, limits and expiry", "", ""))
+    rows += [(_code(f"GET {path}"), scope("GET", path), "", "", "")
+             for path in sorted(MODELS_READ_PATHS | {"/v1/models/{model}"})]
+    rows += [(_code(f"POST {path}"), scope("POST", path), checks[route.kind], "yes" if route.answers else "",
+              tags(route)) for path, route in sorted(ROUTES.items())]
+    rows += [(_code(path), scope("POST", path), "the size limit only; server-wide, so only `CF_API_KEY` may call it",
+              "", "") for path in sorted(OPERATOR_PATHS)]
+    rows.append(("any other path (`/tokenize`, `/v1/responses/{id}`, the audio and realtime routes, ...)",
+                 scope("POST", "/any"), "the size limit only", "", ""))
+    return _table(["Path", "Key needed (a named key's scope)", "Checked before vLLM (for an open path: why it is "
+                   "open)", "`reasoning_content` added", "Tags recorded from"], rows)
 
 
 def chat_templates_table() -> str:
