@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from carbonforge_runtime import files
+from carbonforge_runtime.core.tenant_labels import RESERVED_TENANT_NAMES
 from carbonforge_runtime.errors import UsageError
 
 #: The variable naming the keys file (in the runtime's and the API server's environment).
@@ -70,7 +71,7 @@ SECRET_PREFIX = "cf-"
 #: A name is a metric label and a tenant: letters, digits, ``.``, ``_`` and ``-``, at most 64.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 #: Names the runtime's metrics keep for requests without a named key and for tenants past its cap.
-RESERVED_NAMES = ("default", "other")
+RESERVED_NAMES = RESERVED_TENANT_NAMES
 _HEX = re.compile(r"[0-9a-fA-F]{64}\Z")
 #: A keys file far larger than this is the wrong file (100,000 entries fit).
 MAX_FILE_BYTES = 32 * 1024 * 1024
