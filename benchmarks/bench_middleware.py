@@ -15,6 +15,14 @@ Cases: a small chat request, the same streamed, a long conversation (~20 KB of m
 request refused for its effort (for information: without the middleware the route answers it).
 
     .venv/bin/python benchmarks/bench_middleware.py [--requests 10000] [--rounds 20] [--breakdown]
+    .venv/bin/python benchmarks/bench_middleware.py --keys-file 1000 [--out benchmarks/results/middleware_keys.md]
+
+``--keys-file N`` measures named keys instead: the middleware serving a keys file of N keys (vLLM's own
+key check off, as the runtime runs it then), the request made with one of them, which has a
+per-minute limit (never reached) and an in-flight limit, so every part runs: the lookup, both limits,
+the rate-limit headers and the tenant written into ``vllm_xargs``. It is paired, round by round,
+against the middleware without a keys file (``VLLM_API_KEY`` and vLLM's check, as above) and against
+the app without the middleware.
 
 Target: under 50 us added at the median to what a client waits on: the whole answer of a plain
 request, each event of a streamed one (each token's delivery; the stream's total is printed too, as
@@ -39,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import median, percentile
+from benchmarks.harness import command, commit, median, percentile
 from carbonforge_runtime.core.api_contract import (
     API_CONTRACT_VARIABLE,
     CHAT_PATH,
@@ -97,7 +105,7 @@ def stream_events(chunks: int = 64) -> list[bytes]:
 EVENTS = stream_events()
 
 
-def build_app(key: str, middleware: bool) -> Any:
+def build_app(key: str, middleware: bool, vllm_auth: bool = True) -> Any:
     """The Starlette app, with the middleware added as vLLM adds it when ``middleware`` is set. Its
     stack is built now, so the middleware reads the environment as it is at this call."""
     from starlette.applications import Starlette
@@ -120,6 +128,7 @@ def build_app(key: str, middleware: bool) -> Any:
             return JSONResponse({"error": {"message": "Invalid JSON", "type": "BadRequestError", "code": 400}},
                                 status_code=400)
         SEEN["budget"] = body.get("thinking_token_budget")
+        SEEN["xargs"] = body.get("vllm_xargs")
         if body.get("stream"):
             return StreamingResponse(events(), media_type="text/event-stream")
         return JSONResponse(answer_json(len(body["messages"])))
@@ -127,7 +136,8 @@ def build_app(key: str, middleware: bool) -> Any:
     app = Starlette(routes=[Route(CHAT_PATH, chat, methods=["POST"])])
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],
                        allow_headers=["*"])
-    app.add_middleware(AuthenticationMiddleware, tokens=[key])
+    if vllm_auth:
+        app.add_middleware(AuthenticationMiddleware, tokens=[key])
     if middleware:
         app.add_middleware(RequestContract)
     app.middleware_stack = app.build_middleware_stack()
@@ -406,6 +416,123 @@ async def parts(all_cases: list[Case], key: str, rounds: int, per_round: int) ->
             print(f"    {name:<56}{median(medians) / 1000:8.1f}{added / 1000:+9.1f}")
 
 
+def keys_file_text(count: int) -> tuple[str, dict[str, str]]:
+    """A keys file of ``count`` keys (every one with limits, a priority and a share) and the secrets by name."""
+    import hashlib
+
+    secrets_by_name = {f"tenant-{i:05d}": "cf-" + secrets.token_urlsafe(32) for i in range(count)}
+    lines = ["keys:"]
+    for i, (name, secret) in enumerate(secrets_by_name.items()):
+        lines += [f"  - name: {name}", f"    sha256: {hashlib.sha256(secret.encode()).hexdigest()}",
+                  "    scopes: [models:read, inference:invoke]", "    requests_per_minute: 100000000",
+                  "    max_in_flight: 64", f"    priority: {i % 3}", f"    share: {1 + i % 4}.0"]
+    return "\n".join(lines) + "\n", secrets_by_name
+
+
+async def measure_keys(count: int, rounds: int, per_round: int, warmup: int) -> tuple[list[str], list[str]]:
+    """(table lines, problems): the middleware with ``count`` named keys against it without a keys file
+    and against no middleware, on the three timed cases, paired round by round."""
+    import tempfile
+
+    from carbonforge_runtime.core.api_keys import KEYS_FILE_VARIABLE
+
+    key = secrets.token_urlsafe(24)
+    text, by_name = keys_file_text(count)
+    with tempfile.TemporaryDirectory() as tmp:  # kept while measuring: the middleware looks at it every second
+        path = Path(tmp) / "keys.yaml"
+        path.write_text(text)
+        os.environ[API_CONTRACT_VARIABLE] = CONTRACT.to_json()
+        os.environ["VLLM_API_KEY"] = key
+        os.environ.pop(KEYS_FILE_VARIABLE, None)
+        plain = build_app(key, middleware=False)
+        no_file = build_app(key, middleware=True)
+        os.environ.pop("VLLM_API_KEY")
+        os.environ[KEYS_FILE_VARIABLE] = str(path)
+        loading = time.perf_counter()
+        keyed = build_app(key, middleware=True, vllm_auth=False)
+        load_ms = (time.perf_counter() - loading) * 1000
+        os.environ.pop(KEYS_FILE_VARIABLE)
+        return await _measure_keys(count, rounds, per_round, warmup, key, plain, no_file, keyed, by_name, load_ms)
+
+
+async def _measure_keys(count: int, rounds: int, per_round: int, warmup: int, key: str, plain: Any, no_file: Any,
+                        keyed: Any, by_name: dict[str, str], load_ms: float) -> tuple[list[str], list[str]]:
+    from carbonforge_runtime.core.request_tags import TENANT_ARG
+
+    named = f"tenant-{count // 2:05d}"
+    variants = {"none": (plain, key), "no_file": (no_file, key), "keys": (keyed, by_name[named])}
+    problems: list[str] = []
+    table = [f"keys file: {count} keys, read and checked in {load_ms:.0f} ms when the server starts; the request "
+             f"uses {named!r}", "",
+             "| case | without middleware p50 | middleware, no keys file: added | with the keys file: added | "
+             "keys file vs no keys file (the target) | verdict |",
+             "|---|---|---|---|---|---|"]
+    for case in cases()[:3]:
+        for name, (app, secret) in variants.items():
+            for _ in range(warmup):
+                await one(app, case, secret)
+            _, answer = await one(app, case, secret)
+            wrong = case.check(answer, name != "none")
+            headers = dict(answer.headers)
+            if name == "keys" and not wrong:
+                if (SEEN.get("xargs") or {}).get(TENANT_ARG) != named:
+                    wrong = f"the route saw vllm_xargs {SEEN.get('xargs')!r}, not the tenant"
+                elif b"x-ratelimit-remaining-requests" not in headers:
+                    wrong = "no x-ratelimit headers"
+            if wrong:
+                problems.append(f"{case.name}, {name}: {wrong}")
+        medians: dict[str, list[float]] = {name: [] for name in variants}
+        names = list(variants)
+        for round_no in range(rounds):
+            shift = round_no % len(names)
+            for name in names[shift:] + names[:shift]:
+                app, secret = variants[name]
+                times = [(await one(app, case, secret))[0] for _ in range(per_round)]
+                medians[name].append(median(times))
+        stream = len(EVENTS) if case.request.get("stream") else 1
+
+        def paired(a: str, b: str, per: int = stream, medians: dict[str, list[float]] = medians) -> float:
+            return median(x - y for x, y in zip(medians[a], medians[b], strict=True)) / 1000 / per
+
+        judged = paired("keys", "no_file")  # the keys file's part, judged per event for the stream
+        verdict = "meets" if judged < TARGET_US else "MISSES"
+        if judged >= TARGET_US:
+            problems.append(f"{case.name}: {judged:.1f} us added by the keys file")
+        unit = " per event" if stream > 1 else ""
+        table.append(f"| {case.name} | {median(medians['none']) / 1000:.1f} us | {paired('no_file', 'none'):+.1f} us"
+                     f"{unit} | {paired('keys', 'none'):+.1f} us{unit} | {paired('keys', 'no_file', 1):+.1f} us | "
+                     f"{verdict}{unit} |")
+    return table, problems
+
+
+def keys_main(args: argparse.Namespace) -> int:
+    try:
+        import uvloop
+
+        runner: Callable[[Any], Any] = uvloop.run
+        loop_name = "uvloop"
+    except ImportError:
+        runner, loop_name = asyncio.run, "asyncio"
+    per_round = args.requests // args.rounds
+    table, problems = runner(measure_keys(args.keys_file, args.rounds, per_round, args.warmup))
+    text = "\n".join([
+        f"# The middleware with {args.keys_file} named keys", "",
+        f"Command: `{command()}`", "", f"Commit: `{commit()}`", "",
+        f"Host: {os.cpu_count()} CPUs (shared with other work); {per_round * args.rounds} requests per case and "
+        f"variant in {args.rounds} interleaved rounds, in-process ASGI on {loop_name}, Python "
+        f"{sys.version.split()[0]}.", "",
+        *table, "",
+        "Added: the median over rounds of that round's median minus the app without the middleware's (per "
+        "server-sent event for the stream). Keys file vs no keys file: the same, against the middleware "
+        "checking one `VLLM_API_KEY` (the whole request, also for the stream). Target: what the keys file adds, "
+        f"paired against no keys file, under {TARGET_US:.0f} us at the median (per event for the stream).",
+        *[f"WRONG: {problem}" for problem in problems], ""])
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if not problems else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--requests", type=int, default=10000,
@@ -414,9 +541,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50, help="untimed requests per case and side first")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time its parts: the pure functions alone, the middleware with one taken away")
+    parser.add_argument("--keys-file", type=int, default=0, metavar="N",
+                        help="measure named keys: the middleware with a keys file of N keys (see above)")
+    parser.add_argument("--out", help="with --keys-file: also write the result (markdown) to this file")
     args = parser.parse_args()
     if args.rounds < 2 or args.requests < args.rounds:
         parser.error("--rounds must be at least 2 and --requests at least --rounds")
+    if args.keys_file:
+        return keys_main(args)
 
     key = secrets.token_urlsafe(24)
     # The middleware reads both when it is constructed (build_app builds the stack at once).
