@@ -315,6 +315,33 @@ def ordering_twin_table() -> str:
     return _table(["Trace", "Load", "FCFS mean / p99 e2e s", "Best deployable family (mean e2e)",
                    "its mean / p99 e2e vs FCFS", "its mean TTFT vs FCFS", "`oracle-cost` mean / p99 vs FCFS"], rows)
 
+FAIRNESS_RESULT = REPO / "benchmarks" / "results" / "fairness.json"
+
+
+def fairness_twin_table() -> str:
+    """The flood and priority cases of the fairness benchmark on the twin, from its committed result."""
+    import json
+
+    try:
+        data = json.loads(FAIRNESS_RESULT.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise GenerationError(f"cannot read {FAIRNESS_RESULT.relative_to(REPO)}: {exc}") from None
+    rows = []
+    for mix, case in data["flood"].items():
+        alone = case["alone"]["steady"]["e2e_p99_s"]
+        fcfs, vtc = case["fcfs"], case["vtc"]
+        rows.append((f"flood, {mix}", f"steady tenant's p99 e2e: {alone:.1f} s",
+                     f"{fcfs['steady']['e2e_p99_s'] / alone:.1f}x", f"{vtc['steady']['e2e_p99_s'] / alone:.2f}x",
+                     _change(vtc["flood"]["request_rate"], fcfs["flood"]["request_rate"])))
+    prio = data["priority"]
+    alone = prio["alone"]["interactive"]["ttft_p99_s"]
+    classes = prio["classes, bound 60 s"]
+    rows.append(("priority classes, decode-heavy", f"interactive p99 TTFT: {alone:.2f} s",
+                 f"{prio['one class (FCFS)']['interactive']['ttft_p99_s'] / alone:.1f}x",
+                 f"{classes['interactive']['ttft_p99_s'] / alone:.2f}x (longest wait "
+                 f"{classes['max_queue_wait_s']:.0f} s, {classes['past_bound']} past the 60 s bound)", "-"))
+    return _table(["Case", "Alone", "FCFS vs alone", "VTC / classes vs alone", "Flood throughput, VTC vs FCFS"], rows)
+
 
 def recipe_api_table() -> str:
     """What a client of each shipped recipe talks to: the model name, the parsers, the thinking budgets."""
@@ -639,6 +666,7 @@ TABLES: dict[str, Generated] = {
     "recipes": Generated("recipes.md", recipes_table),
     "recipes-predicted": Generated("recipes.md", recipes_predicted_table),
     "ordering-twin": Generated("ordering.md", ordering_twin_table),
+    "fairness-twin": Generated("ordering.md", fairness_twin_table),
     "recipe-api": Generated("clients.md", recipe_api_table),
     "api-efforts": Generated("clients.md", efforts_table),
     "api-errors": Generated("clients.md", api_errors_table),
