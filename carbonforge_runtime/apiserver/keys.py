@@ -5,7 +5,8 @@ or from ``CF_API_KEY_SHA256`` beside a keys file) and the keys file ``CF_API_KEY
 (:mod:`~carbonforge_runtime.core.api_keys`). The file is read when the server starts and again
 whenever it changes: :meth:`KeyStore.refresh` compares the file's modification time, size and inode
 (what a rename over it, an edit or a Kubernetes Secret update changes) and reads it only then. The
-middleware calls it about once a second, in a worker thread, with a deadline. A file that cannot be
+middleware calls it about once a second, in a daemon thread of its own (:func:`in_daemon_thread`), with
+a deadline, so a read that hangs (a stalled network volume) never holds up the server's shutdown. A file that cannot be
 read or is not a valid keys file leaves the last good keys in force; the reason goes to the log and
 to the API server's ``/metrics`` (``carbonforge_api_keys_file_errors_total``,
 ``carbonforge_api_keys_file_valid``, ``carbonforge_api_keys_loaded``).
@@ -16,11 +17,14 @@ A presented secret is looked up by its SHA-256 digest in a dict and the digests 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +46,36 @@ log = logging.getLogger("carbonforge_runtime.apiserver.keys")
 POLL_S = 1.0
 #: The longest one look at the file (and a read when it changed) may take before it is given up.
 REFRESH_DEADLINE_S = 10.0
+
+def in_daemon_thread(call: Callable[[], bool]) -> asyncio.Future[bool]:
+    """Run ``call`` in a new daemon thread; its result (or exception) on a future of the running loop.
+
+    Unlike ``asyncio.to_thread``, the thread is not one of the loop's executor: closing the loop never
+    waits for it, and a thread still running when the process exits does not keep it alive."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[bool] = loop.create_future()
+
+    def settle(result: bool | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(bool(result))
+
+    def run() -> None:
+        result: bool | None = None
+        error: BaseException | None = None
+        try:
+            result = call()
+        except Exception as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for this look
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="cf-keys-file", daemon=True).start()
+    return future
+
 
 _MISSING = auth_error(key_sent=False)
 _INVALID = auth_error(key_sent=True)

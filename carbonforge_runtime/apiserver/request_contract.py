@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from carbonforge_runtime.apiserver.keys import POLL_S, REFRESH_DEADLINE_S, KeyStore, log
+from carbonforge_runtime.apiserver.keys import POLL_S, REFRESH_DEADLINE_S, KeyStore, in_daemon_thread, log
 from carbonforge_runtime.core.api_contract import (
     API_CONTRACT_VARIABLE,
     GROUP_DOWN_VARIABLE,
@@ -242,13 +242,13 @@ class RequestContract:
         return None
 
     async def watch_keys(self) -> None:
-        """Look at the keys file about once a second for as long as the server runs (in a worker
-        thread, each look given up after :data:`REFRESH_DEADLINE_S`)."""
+        """Look at the keys file about once a second for as long as the server runs (in a thread of
+        its own, each look given up after :data:`REFRESH_DEADLINE_S`)."""
         pending: asyncio.Future[bool] | None = None
         while True:
             await asyncio.sleep(POLL_S)
             if pending is None or pending.done():
-                pending = asyncio.ensure_future(asyncio.to_thread(self.keys.refresh))
+                pending = in_daemon_thread(self.keys.refresh)
             try:
                 await asyncio.wait_for(asyncio.shield(pending), timeout=REFRESH_DEADLINE_S)
             except TimeoutError:

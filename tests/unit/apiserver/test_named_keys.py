@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -363,3 +364,31 @@ def test_scope_and_limit_refusals_read_no_body(monkeypatch: pytest.MonkeyPatch, 
     status, error = client.request(CHAT, endless(), {**auth("team-a"), "transfer-encoding": "chunked"})
     assert status == 429 and error["error"]["code"] == "rate_limit_exceeded"
     assert client.read == 0 and inner.calls == ["/v1/models", "/v1/models"]
+
+
+def test_a_look_at_the_keys_file_runs_beside_the_loop_and_never_holds_up_its_shutdown() -> None:
+    from carbonforge_runtime.apiserver.keys import in_daemon_thread
+
+    release = threading.Event()
+    started = threading.Event()
+    finished = threading.Event()
+
+    def stuck() -> bool:  # a read of a stalled volume
+        started.set()
+        release.wait(60)
+        finished.set()
+        return True
+
+    async def go() -> bool:
+        assert await in_daemon_thread(lambda: True) is True
+        with pytest.raises(KeyError):
+            await in_daemon_thread(lambda: {}["missing"])
+        pending = in_daemon_thread(stuck)
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        return pending.done()
+
+    done = asyncio.run(go())
+    # asyncio.run has closed its loop while the look was still stuck: it did not wait for it.
+    assert started.is_set() and not done and not finished.is_set()
+    release.set()
+    assert finished.wait(10)
