@@ -66,7 +66,8 @@ def sim_command(
     rate: float = typer.Option(1.0, "--rate", help="Speed factor on the recorded inter-arrival times."),
     load: float | None = typer.Option(None, "--load",
                                       help="Set arrivals to this fraction of the twin's measured capacity "
-                                      "(replaces --rate), e.g. 0.9."),
+                                      "(replaces --rate), e.g. 0.9; capacity is measured with FCFS whatever "
+                                      "--family is tried, so one load is one traffic."),
     token_scale: float = typer.Option(1.0, "--token-scale", help="Multiply prompt and output sizes."),
     start: int = typer.Option(0, "--start", help="Skip this many requests of the trace."),
     limit: int | None = typer.Option(None, "--limit", help="Simulate at most this many requests."),
@@ -143,6 +144,7 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
          long_prefill_token_threshold: int | None, chunked_prefill: bool | None, prefix_caching: bool | None,
          async_scheduling: bool | None, mooncake_block_tokens: int, output: Path, records: Path | None,
          quiet: bool) -> int:
+    from carbonforge_runtime.core.figure_labels import of_cost_model
     from carbonforge_runtime.core.twin_data import SimError
     from carbonforge_runtime.files import write_atomic
     from carbonforge_runtime.offline.sim.results import (
@@ -154,7 +156,13 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     from carbonforge_runtime.offline.sim.results import (
         records as build_records,
     )
-    from carbonforge_runtime.offline.sim.setup import KnobOverrides, at_load, prepare
+    from carbonforge_runtime.offline.sim.setup import (
+        CAPACITY_FAMILY,
+        KnobOverrides,
+        at_load,
+        capacity_engine,
+        prepare,
+    )
 
     def progress(line: str) -> None:
         if not quiet:
@@ -176,6 +184,7 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     recipe, family_name, params, cost = prepared.recipe, prepared.family, prepared.params, prepared.cost
     twin, rejected, requests, served = prepared.twin, prepared.rejected, prepared.requests, prepared.served
     sim_trace = prepared.trace
+    label = of_cost_model(cost)
     if cost.proxy:
         progress(f"sim: cost model {cost.name} is a PROXY ({cost.scaling_rule})")
 
@@ -184,11 +193,11 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
     effective_rate = rate
     capacity: float | None = None
     if load is not None:
-        capacity = measure_capacity(served, twin, cost)
+        capacity = measure_capacity(served, capacity_engine(twin), cost)
         served, factor = at_load(served, load, capacity)
         effective_rate = rate * factor
-        progress(f"sim: measured capacity {capacity:.2f} req/s; load {load:g} -> {load * capacity:.2f} req/s "
-                 f"(rate x{effective_rate:.3g})")
+        progress(f"sim: measured capacity {capacity:.2f} req/s with {CAPACITY_FAMILY} (the same traffic for every "
+                 f"family); load {load:g} -> {load * capacity:.2f} req/s (rate x{effective_rate:.3g})")
 
     progress(f"sim: {len(served)} requests from {trace} ({sim_trace.kind}) on {recipe.key_text} with family "
              f"{family_name}, cost model {cost.name}" + (f", {len(rejected)} refused as too long" if rejected else ""))
@@ -217,12 +226,13 @@ def _run(*, trace: Path, context_key: str, family: str | None, param: list[str],
               "enable_chunked_prefill": twin.enable_chunked_prefill,
               "enable_prefix_caching": twin.enable_prefix_caching,
               "long_prefill_token_threshold": twin.long_prefill_token_threshold, "block_size": twin.block_size,
-              "async_scheduling": twin.async_scheduling, "measured_capacity_rps": capacity}
+              "async_scheduling": twin.async_scheduling, "measured_capacity_rps": capacity,
+              "capacity_measured_with": CAPACITY_FAMILY if capacity is not None else None}
     document = build_document(
         trace=str(trace), trace_kind=sim_trace.kind, model=recipe.model.served_name,
         options={"rate": rate, "effective_rate": effective_rate, "load": load, "token_scale": token_scale,
                  "start": start, "limit": limit, "cost_model": cost.name, "records": str(records_path)},
-        run=run, rejected=rejected, cost=cost, engine=engine)
+        run=run, rejected=rejected, cost=cost, engine=engine, label=label)
     rows = build_records(run, rejected, family_name, origin_s=0.0)
     write_atomic(records_path, dump_jsonl(rows))
     write_atomic(output, dump_json(document))

@@ -164,7 +164,7 @@ def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: in
          kv_tokens: int | None, mooncake_block_tokens: int, output: Path, write: Path | None, force: bool,
          quiet: bool) -> int:
     from carbonforge_runtime.core.twin_data import SimError
-    from carbonforge_runtime.offline.sim.setup import at_load, prepare
+    from carbonforge_runtime.offline.sim.setup import CAPACITY_FAMILY, at_load, capacity_engine, prepare
     from carbonforge_runtime.offline.sim.tune import Config, build_patch, parse_goal, parse_slos, search
 
     def progress(line: str) -> None:
@@ -195,10 +195,10 @@ def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: in
             capacity: float | None = None
             factor = 1.0
             if load is not None:
-                capacity = pool.submit(_capacity, served, prepared.twin, cost).result()
+                capacity = pool.submit(_capacity, served, capacity_engine(prepared.twin), cost).result()
                 served, factor = at_load(served, load, capacity)
-                progress(f"tune: measured capacity {capacity:.2f} req/s of the recipe as shipped; load {load:g} -> "
-                         f"{load * capacity:.2f} req/s")
+                progress(f"tune: measured capacity {capacity:.2f} req/s of the recipe's knobs with {CAPACITY_FAMILY} "
+                         f"(every candidate gets the same traffic); load {load:g} -> {load * capacity:.2f} req/s")
             progress(f"tune: {len(served)} requests from {trace} on {prepared.recipe.key_text}, goal {goal_name}"
                      + (f", SLO {' '.join(s.text() for s in slos)}" if slos else "")
                      + f", at most {budget} candidates, {workers} at once")
@@ -214,7 +214,8 @@ def _run(*, trace: Path, context_key: str, goal: str, slo: list[str], budget: in
             pool.shutdown(cancel_futures=True)
     patch = build_patch(recipe_config, result.candidates[result.best].config)
     window = {"start": start, "limit": limit, "rate": rate, "load": load, "effective_rate": rate * factor,
-              "measured_capacity_rps": capacity, "token_scale": token_scale,
+              "measured_capacity_rps": capacity,
+              "capacity_measured_with": CAPACITY_FAMILY if capacity is not None else None, "token_scale": token_scale,
               "mooncake_block_tokens": mooncake_block_tokens, "kv_tokens": prepared.twin.kv_tokens}
     document = _document(prepared, trace, goal_name, slos, budget, window, result, patch, len(served))
     from carbonforge_runtime.files import write_atomic
@@ -235,6 +236,7 @@ _SHOWN = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "e2e_p99_s", "throughput_rp
 
 def _document(prepared: Prepared, trace: Path, goal: str, slos: Sequence[Slo], budget: int,
               window: dict[str, Any], result: SearchResult, patch: dict[str, Any], total: int) -> dict[str, Any]:
+    from carbonforge_runtime.core.figure_labels import of_cost_model
     from carbonforge_runtime.offline.sim.tune import differences, ranked, slo_met
 
     recipe_config = result.candidates[0].config
@@ -247,6 +249,7 @@ def _document(prepared: Prepared, trace: Path, goal: str, slos: Sequence[Slo], b
             "slo": {s.metric: s.limit_s for s in slos}, "budget": budget, "rounds": result.rounds,
             "requests": total, "refused_as_too_long": len(prepared.rejected), "window": window,
             "cost_model": cost.to_json(), "proxy_cost_model": cost.proxy, "predicted": True,
+            "label": of_cost_model(cost).to_json(),
             "best": result.best,
         },
         "patch": patch,
@@ -288,8 +291,8 @@ def _report(document: dict[str, Any], recipe: Config, result: SearchResult, goal
     lines = ["  ".join(cell.ljust(widths[i]) if i == len(header) - 1 else cell.rjust(widths[i])
                        for i, cell in enumerate(row)).rstrip() for row in [header, *rows]]
     tune = document["tune"]
-    lines.append(f"(seconds; predicted by the twin with cost model {tune['cost_model']['name']}"
-                 + (", a PROXY" if tune["proxy_cost_model"] else "") + ")")
+    lines.append(f"(seconds; figures {tune['label']['text']}"
+                 + (": rankings, not promises" if tune["proxy_cost_model"] else "") + ")")
     best = result.candidates[result.best]
     shipped = result.candidates[0]
     figure, _ = GOALS[goal]

@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from carbonforge_runtime.core.figure_labels import FigureLabel, of_cost_model
 from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, build_record
 from carbonforge_runtime.core.twin_data import SimOutcome, StepCostModel, TwinRun
 from carbonforge_runtime.offline.replay.aggregate import RequestOutcome, latency_stats, summarize
@@ -129,8 +130,10 @@ def sim_section(run: TwinRun, cost: StepCostModel, engine: Mapping[str, Any]) ->
 
 
 def build_document(*, trace: str, trace_kind: str, model: str, options: Mapping[str, Any], run: TwinRun,
-                   rejected: Mapping[int, str], cost: StepCostModel, engine: Mapping[str, Any]) -> dict[str, Any]:
-    """The result JSON: replay's keys (``base_url`` null, ``started_at`` 0: virtual time) and ``sim``."""
+                   rejected: Mapping[int, str], cost: StepCostModel, engine: Mapping[str, Any],
+                   label: FigureLabel | None = None) -> dict[str, Any]:
+    """The result JSON: replay's keys (``base_url`` null, ``started_at`` 0: virtual time), the
+    figures' ``label`` (predicted, with the step-time model) and ``sim``."""
     outcomes = replay_outcomes(run.outcomes, rejected)
     summary = summarize(outcomes, run.makespan_s)
     by_index = {o.index: o for o in run.outcomes}
@@ -153,6 +156,7 @@ def build_document(*, trace: str, trace_kind: str, model: str, options: Mapping[
         "options": dict(options),
         "summary": summary,
         "sim": sim_section(run, cost, engine),
+        "label": (label if label is not None else of_cost_model(cost)).to_json(),
         "requests": requests,
     }
 
@@ -211,7 +215,8 @@ def format_sim_table(document: Mapping[str, Any]) -> str:
         ("cost model", f"{sim['cost_model']['name']} v{sim['cost_model']['version']}"
                        + ("  (PROXY: figures scaled from another model or GPU)" if sim["proxy_cost_model"] else "")),
     ]
-    lines = [format_table(document["summary"])]
+    lines = [f"figures: {document['label']['text']}"] if "label" in document else []
+    lines.append(format_table(document["summary"]))
     width = max(len("per output token"), *(len(name) for name, _ in rows))
     lines.extend(f"{name.ljust(width)}  {value}" for name, value in rows)
     for key, title in (("tenants", "tenant"), ("priority_classes", "priority class")):

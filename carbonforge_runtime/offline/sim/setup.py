@@ -141,6 +141,23 @@ def prepare(inputs: TwinInputs) -> Prepared:
     return Prepared(recipe, family, params, cost, sim_trace, requests, twin, rejected, served)
 
 
+#: The ordering the capacity behind ``--load`` is measured with, whatever family the run tries, so
+#: that one ``--load`` is one traffic for every family (a family that serves a burst faster would
+#: otherwise get a faster arrival rate, and its gain would be inflated).
+CAPACITY_FAMILY = "fcfs"
+
+
+def capacity_engine(twin: TwinSettings) -> TwinSettings:
+    """The engine whose capacity ``--load`` is a fraction of: ``twin`` ordered by
+    :data:`CAPACITY_FAMILY` with no family parameters (its knobs, KV cache and step-time model kept)."""
+    return replace(twin, family=CAPACITY_FAMILY, params={})
+
+
+def capacity_note(capacity: float) -> dict[str, Any]:
+    """What a result file records of the capacity a ``--load`` run is scaled to."""
+    return {"rps": capacity, "measured_with": CAPACITY_FAMILY}
+
+
 def at_load(served: list[SimRequest], load: float, capacity: float) -> tuple[list[SimRequest], float]:
     """The requests with their gaps scaled so that they arrive at ``load`` times ``capacity``
     requests a second on average, and the factor applied to the arrival rate."""

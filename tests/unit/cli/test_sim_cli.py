@@ -48,7 +48,12 @@ def test_sim_writes_replays_result_shape_and_records_trace_summarize_reads(tmp_p
     assert result.exit_code == 0, result.output
     assert "PROXY" in result.output and "prefix cache" in result.output
     doc = json.loads(out.read_text())
-    assert list(doc)[:8] == ["trace", "trace_kind", "base_url", "model", "started_at", "options", "summary", "sim"]
+    assert list(doc)[:9] == ["trace", "trace_kind", "base_url", "model", "started_at", "options", "summary", "sim",
+                             "label"]
+    label = "predicted by the twin with step-time model a100-80-tp1 v1, a proxy"
+    assert doc["label"]["kind"] == "predicted" and doc["label"]["text"] == label
+    assert doc["label"]["step_model"] == {"name": "a100-80-tp1", "version": 1, "proxy": True}
+    assert f"figures: {label}" in result.output
     assert set(doc["summary"]) == set(summarize([], 1.0))
     assert doc["summary"]["ok"] == 60 and doc["trace_kind"] == "mooncake-jsonl"
     sim = doc["sim"]
@@ -119,3 +124,33 @@ def test_load_sets_arrivals_from_the_measured_capacity(tmp_path: Path) -> None:
     arrivals = [r["scheduled_s"] for r in doc["requests"]]
     offered = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
     assert offered == pytest.approx(0.5 * capacity, rel=1e-6)
+
+
+def test_two_families_at_one_load_get_identical_arrivals(tmp_path: Path) -> None:
+    """Capacity is measured with FCFS whatever family is tried, so one --load is one traffic."""
+    pytest.importorskip("vllm")
+    from carbonforge_runtime.engine.twin import measure_capacity
+    from carbonforge_runtime.offline.sim.inputs import WindowOptions
+    from carbonforge_runtime.offline.sim.setup import TwinInputs, capacity_engine, prepare
+
+    trace = mooncake(tmp_path / "m.jsonl", count=40)
+    docs = {}
+    for family in ("fcfs", "ltr-promptlen"):
+        out = tmp_path / f"{family}.json"
+        result = runner.invoke(cli.app, ["sim", str(trace), "--context-key", KEY, "--family", family,
+                                         "--load", "0.85", "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert "with fcfs (the same traffic for every family)" in result.output
+        docs[family] = json.loads(out.read_text())
+    fcfs, other = docs["fcfs"], docs["ltr-promptlen"]
+    assert other["sim"]["engine"]["family"] == "ltr-promptlen"
+    assert [r["scheduled_s"] for r in fcfs["requests"]] == [r["scheduled_s"] for r in other["requests"]]
+    assert fcfs["options"]["effective_rate"] == other["options"]["effective_rate"]
+    for doc in (fcfs, other):
+        assert doc["sim"]["engine"]["capacity_measured_with"] == "fcfs"
+    # The check has teeth: measured with the family being tried, the capacity (and so the traffic) differs.
+    prepared = prepare(TwinInputs(trace=trace, context_key=KEY, window=WindowOptions(), family="ltr-promptlen"))
+    own = measure_capacity(prepared.served, prepared.twin, prepared.cost)
+    shared = measure_capacity(prepared.served, capacity_engine(prepared.twin), prepared.cost)
+    assert shared == pytest.approx(fcfs["sim"]["engine"]["measured_capacity_rps"], rel=1e-12)
+    assert own != pytest.approx(shared, rel=1e-3)

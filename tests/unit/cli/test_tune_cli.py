@@ -86,6 +86,12 @@ def test_tune_finds_a_clearly_better_configuration_than_the_shipped_chat_recipe_
     assert any(not c["feasible"] and "chunked prefill" in c["figures"]["error"] for c in candidates)
     assert doc["patch"] and set(doc["patch"]) <= {"vllm", "scheduler"}
     assert "best: candidate" in output and "patch for " + KEY in output and "<- goal" in output
+    label = "predicted by the twin with step-time model a100-80-tp1 v1, a proxy"
+    assert tune["label"]["kind"] == "predicted" and tune["label"]["text"] == label
+    assert f"figures {label}: rankings, not promises" in output
+    window = tune["window"]
+    assert isinstance(window, dict) and window["capacity_measured_with"] == "fcfs"
+    assert window["measured_capacity_rps"] > 0
 
 
 def test_the_written_recipe_loads_and_its_launch_logs_the_departure(
