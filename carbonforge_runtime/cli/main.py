@@ -169,6 +169,13 @@ def serve(
                                            help="The leader's address (else CF_MASTER_ADDR or LWS_LEADER_ADDRESS)."),
     master_port: int | None = typer.Option(None, "--master-port", min=1, max=65535,
                                            help="Port where the group meets on the leader (else CF_MASTER_PORT)."),
+    emulate: bool = typer.Option(False, "--emulate",
+                                 help="Serve the recipe on this machine's CPU with the built-in model standing in "
+                                      "for its weights, every engine step paced to the recipe's GPU (docs/emulate.md)."),
+    cost_model: str | None = typer.Option(None, "--cost-model", metavar="NAME|FILE",
+                                          help="With --emulate: the step-time model (default: the recipe's)."),
+    emulate_slowdown: float = typer.Option(1.0, "--emulate-slowdown", metavar="K",
+                                           help="With --emulate: every step K times longer than the model says."),
 ) -> None:
     """Serve a recipe (--context-key) or a vLLM command line given after --."""
     from carbonforge_runtime.runtime.planning.plan import ServeOptions
@@ -271,6 +278,7 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
     """The resolved recipe and the exact vLLM command line it runs."""
     import shlex
 
+    from carbonforge_runtime.core.figure_labels import benchmark_lines
     from carbonforge_runtime.core.redaction import redact_args
     from carbonforge_runtime.files import read_regular
     from carbonforge_runtime.recipes.loader import MAX_RECIPE_BYTES
@@ -285,6 +293,9 @@ def recipes_show(key: str = typer.Argument(..., help="The context key to show.")
         recipe = resolve(key, load_all_recipes(settings))
         typer.echo(f"# {recipe.source}")
         typer.echo(read_regular(recipe.source, MAX_RECIPE_BYTES).decode("utf-8", errors="replace").rstrip())
+        typer.echo("\n# where the benchmark figures come from")
+        for line in benchmark_lines(recipe.benchmark):
+            typer.echo(f"# {line}")
         model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
         plan = build_recipe_plan(recipe, settings, [], model_path=model_path)
         if recipe.hosts is None:

@@ -212,3 +212,12 @@ def describe_benchmark(block: Mapping[str, Any] | None) -> str:
     if not labels:
         return "no benchmark figures (neither measured nor predicted)"
     return "; ".join(label.text() for _, label in labels)
+
+
+def benchmark_lines(block: Mapping[str, Any] | None) -> list[str]:
+    """Lines for ``recipes show``: one per labelled part of the benchmark block (``benchmark.predicted:
+    predicted by the twin with ...``), or one saying there are no figures."""
+    labels = benchmark_labels(block)
+    if not labels:
+        return ["benchmark figures: none (neither measured nor predicted)"]
+    return [f"benchmark.{part}: {label.text()}" for part, label in labels]
