@@ -157,12 +157,32 @@ class StepLogConfig:
 
 
 @dataclass(frozen=True)
+class Emulation:
+    """The paced engine (``serve --emulate``): every engine step lasts what the step-time model says
+    its batch costs on the modelled GPU, times ``slowdown``. The coefficients are the model's, in
+    milliseconds (:class:`~carbonforge_runtime.core.twin_data.StepCostModel`)."""
+
+    model: str  # the step-time model's name
+    floor_ms: float
+    per_batched_token_ms: float
+    per_kv_token_read_ms: float
+    attention_ms: float
+    overhead_ms: float
+    version: int = 1
+    proxy: bool = False
+    slowdown: float = 1.0
+    #: Above this share of late steps the run is reported as not faithful.
+    late_share_warning: float = 0.01
+
+
+@dataclass(frozen=True)
 class EngineContract:
     ordering: Ordering = field(default_factory=Ordering)
     tracing: TraceConfig | None = None
     metrics_feed: MetricsFeed | None = None
     energy_meter: EnergyMetering | None = None
     step_log: StepLogConfig | None = None
+    emulation: Emulation | None = None
 
     @property
     def builds_records(self) -> bool:
@@ -224,6 +244,7 @@ _PARTS: dict[str, type] = {
     "metrics_feed": MetricsFeed,
     "energy_meter": EnergyMetering,
     "step_log": StepLogConfig,
+    "emulation": Emulation,
 }
 _T = TypeVar("_T")
 
@@ -269,13 +290,15 @@ def _from_plain(cls: type[_T], data: Any, where: str) -> _T:
 
 
 def _scalar(spec: Any, value: Any, path: str) -> Any:
-    """Check a leaf against its annotation (``str``, ``int``, ``float``, optionally ``| None``)."""
+    """Check a leaf against its annotation (``str``, ``bool``, ``int``, ``float``, optionally ``| None``)."""
     annotation = str(spec.type)
     if value is None:
         if "None" in annotation:
             return None
         raise ContractError(f"engine contract: {path} may not be null", _SAME_INSTALL)
     if annotation.startswith("str") and isinstance(value, str):
+        return value
+    if annotation.startswith("bool") and isinstance(value, bool):
         return value
     if annotation.startswith("int") and isinstance(value, int) and not isinstance(value, bool):
         return value

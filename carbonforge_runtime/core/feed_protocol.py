@@ -46,6 +46,10 @@ class EngineCounters:
     tokens_scheduled_total: int = 0
     requests_arrived_total: int = 0
     requests_completed_total: int = 0
+    #: The paced engine (``serve --emulate``): steps paced, and those whose real work ran past their
+    #: modelled time.
+    emulated_steps_total: int = 0
+    emulated_late_steps_total: int = 0
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EngineCounters:

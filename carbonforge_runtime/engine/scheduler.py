@@ -49,6 +49,7 @@ from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG, TENANT_AR
 from carbonforge_runtime.core.trace_record import LEVEL_STANDARD, Completion, Decoder, build_record, client_request_id
 from carbonforge_runtime.engine.energy_meter import EnergyMeter, start_meter
 from carbonforge_runtime.engine.metrics_feed import attach as attach_feed
+from carbonforge_runtime.engine.pacing import Pacer, start_pacer
 from carbonforge_runtime.engine.step_log import StepLog, start_step_log
 from carbonforge_runtime.engine.trace_sinks import build_sinks
 from carbonforge_runtime.engine.trace_writer import TraceWriter
@@ -294,6 +295,7 @@ class _CarbonForgeMixin:
 
     _cf_writer: TraceWriter | None = None
     _cf_steps: StepLog | None = None
+    _cf_pacer: Pacer | None = None
     _cf_stopping = False
     #: The clock of the request times (arrival, admission, first token, completion). The twin
     #: (:mod:`carbonforge_runtime.engine.twin`) replaces it, and its waiting queue's, with virtual time.
@@ -328,7 +330,9 @@ class _CarbonForgeMixin:
         self._cf_steps: StepLog | None = None
         if contract.step_log is not None:
             self._cf_steps = start_step_log(contract.step_log, self, log, VLLM_VERSION)
-        if self._cf_writer is not None or self._cf_steps is not None:
+        #: serve --emulate: every step paced to the step-time model (engine/pacing.py).
+        self._cf_pacer = start_pacer(contract.emulation, self._cf_counters, log)
+        if self._cf_writer is not None or self._cf_steps is not None or self._cf_pacer is not None:
             atexit.register(self._cf_close)
         self._cf_watch_shutdown_signal()
         # Per-request bookkeeping only when something consumes it.
@@ -462,10 +466,13 @@ class _CarbonForgeMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         steps = self._cf_steps
-        entered = time.monotonic() if steps is not None else 0.0
+        pacer = self._cf_pacer
+        entered = time.monotonic() if steps is not None or pacer is not None else 0.0
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if steps is not None:
             steps.scheduled(output, entered)
+        if pacer is not None:
+            pacer.scheduled(output, entered)
         energy = self._cf_energy
         if energy is not None:
             energy.step_started(output, time.monotonic())
@@ -489,6 +496,8 @@ class _CarbonForgeMixin:
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._cf_pacer is not None:  # sleeps out the step's modelled time before its outputs leave
+            self._cf_pacer.finish(scheduler_output, self.get_num_unfinished_requests() > 0)  # type: ignore[attr-defined]
         steps = self._cf_steps
         energy = self._cf_energy
         if steps is not None or energy is not None:
@@ -638,6 +647,8 @@ class _CarbonForgeMixin:
             self._cf_energy.close()
         if self._cf_steps is not None:
             self._cf_steps.close()
+        if self._cf_pacer is not None:
+            self._cf_pacer.close()
 
     @property
     def cf_counters(self) -> EngineCounters:

@@ -55,9 +55,9 @@ LABEL = "step log"
 MAX_OPEN_STEPS = 64
 
 
-def step_record(output: Any, start: float, end: float, number: int, engine: int,
-                unix_offset: float) -> dict[str, Any]:
-    """The line of one step, from its ``SchedulerOutput`` (on the writer thread)."""
+def step_terms(output: Any) -> tuple[int, int, int, float, int]:
+    """(prefill tokens, decoding requests, KV tokens read, attention units, context tokens) of one
+    step, from its ``SchedulerOutput``: the twin's split of the step-time model's terms."""
     scheduled: Mapping[str, int] = output.num_scheduled_tokens
     prefill = decode = kv_read = context_all = 0
     attention = 0.0
@@ -88,10 +88,17 @@ def step_record(output: Any, start: float, end: float, number: int, engine: int,
         else:
             prefill += n
             attention += n * (context + n / 2)
+    return prefill, decode, kv_read, attention, context_all
+
+
+def step_record(output: Any, start: float, end: float, number: int, engine: int,
+                unix_offset: float) -> dict[str, Any]:
+    """The line of one step, from its ``SchedulerOutput`` (on the writer thread)."""
+    prefill, decode, kv_read, attention, context_all = step_terms(output)
     return {
         "kind": "step", "engine": engine, "step": number, "t": round(end + unix_offset, 6),
         "wall_s": round(end - start, 7), "batched_tokens": int(output.total_num_scheduled_tokens),
-        "prefill_tokens": prefill, "decode_tokens": decode, "seqs": len(scheduled),
+        "prefill_tokens": prefill, "decode_tokens": decode, "seqs": len(output.num_scheduled_tokens),
         "kv_read_tokens": kv_read, "attention_units": attention, "context_tokens": context_all,
     }
 

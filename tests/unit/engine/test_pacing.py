@@ -1,0 +1,211 @@
+"""The paced engine (``serve --emulate``) on vLLM's real scheduler, built in-process with the plug-in:
+each step's period is its modelled time (host work between busy steps inside it), the slowdown
+stretches every step alike, idle time is in no step, and steps that run past their modelled time are
+counted, reported at shutdown and warned about. A fake clock drives it: sleeping advances the clock."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from carbonforge_runtime.core.contract import CONTRACT_ENV, Emulation, EngineContract, Ordering, StepLogConfig
+from carbonforge_runtime.engine import pacing
+from carbonforge_runtime.engine.pacing import Lateness, period_start, summary_line
+from tests.support.scheduler_harness import Engine
+
+#: max(10 ms, 0.1 ms a batched token): 10 ms a decode step, 30 ms a 300-token prompt.
+MODEL = Emulation(model="test-model", floor_ms=10.0, per_batched_token_ms=0.1, per_kv_token_read_ms=0.0,
+                  attention_ms=0.0, overhead_ms=0.0)
+HOST_S = 0.001  # the engine's own work between two steps
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 5000.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds > 0
+        self.sleeps.append(round(seconds, 9))
+        self.now += seconds
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+@pytest.fixture
+def engine_log() -> Iterator[Captured]:
+    handler = Captured()
+    logger = logging.getLogger("vllm.carbonforge")  # vLLM's loggers do not propagate to the root
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def paced_engine(parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, clock: Clock, steps: Path,
+                 emulation: Emulation = MODEL) -> Engine:
+    contract = EngineContract(Ordering("fcfs", {}), None, emulation=emulation,
+                              step_log=StepLogConfig(file=str(steps), flush_timeout_s=5.0))
+    monkeypatch.setenv(CONTRACT_ENV, contract.to_json())
+    from carbonforge_runtime.engine import scheduler as plug_in
+
+    monkeypatch.setattr(plug_in, "time", types.SimpleNamespace(monotonic=clock, time=plug_in.time.time))
+    monkeypatch.setattr(pacing, "time", types.SimpleNamespace(monotonic=clock, sleep=clock.sleep))
+    return Engine(parts, max_num_seqs=4)  # 512 tokens a step
+
+
+def step(engine: Engine, clock: Clock, forward_s: float) -> Any:
+    """One synchronous engine step whose forward pass takes ``forward_s`` on this machine."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    scheduler = engine.scheduler
+    out = scheduler.schedule()
+    clock.now += forward_s
+    ids = list(out.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in ids]
+    runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                               sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+    scheduler.update_from_output(out, runner)
+    clock.now += HOST_S
+    return out
+
+
+def drain(engine: Engine, clock: Clock, forward_s: float) -> None:
+    while engine.scheduler.has_requests():
+        step(engine, clock, forward_s)
+
+
+def walls(path: Path) -> list[float]:
+    return [round(line["wall_s"], 6) for line in map(json.loads, path.read_text().splitlines())
+            if line["kind"] == "step"]
+
+
+def test_a_busy_engine_is_paced_completion_to_completion(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    clock = Clock()
+    engine = paced_engine(vllm_parts, monkeypatch, clock, tmp_path / "steps.jsonl")
+    engine.add("a", list(range(1, 301)), max_tokens=3)
+    drain(engine, clock, forward_s=0.005)
+    engine.scheduler.shutdown()
+    # The prompt (300 tokens: 30 ms) after a 5 ms forward pass; then two decode steps (10 ms) whose
+    # periods began when the previous step ended, so the 1 ms of host work between them is inside.
+    assert clock.sleeps == [0.025, 0.004, 0.004]
+    assert walls(tmp_path / "steps.jsonl") == [0.03, 0.01, 0.01]
+    counters = engine.scheduler.cf_counters
+    assert (counters.emulated_steps_total, counters.emulated_late_steps_total) == (3, 0)
+
+
+def test_the_slowdown_stretches_every_step(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    clock = Clock()
+    slow = Emulation(**{**MODEL.__dict__, "slowdown": 3.0})
+    engine = paced_engine(vllm_parts, monkeypatch, clock, tmp_path / "steps.jsonl", slow)
+    engine.add("a", list(range(1, 301)), max_tokens=3)
+    drain(engine, clock, forward_s=0.005)
+    engine.scheduler.shutdown()
+    assert clock.sleeps == [0.085, 0.024, 0.024]
+    assert walls(tmp_path / "steps.jsonl") == [0.09, 0.03, 0.03]
+
+
+def test_idle_time_is_in_no_step(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    clock = Clock()
+    engine = paced_engine(vllm_parts, monkeypatch, clock, tmp_path / "steps.jsonl")
+    engine.add("a", list(range(1, 21)), max_tokens=1)
+    drain(engine, clock, forward_s=0.002)
+    clock.now += 7.0  # nothing to do for seconds
+    engine.add("b", list(range(101, 121)), max_tokens=1)
+    drain(engine, clock, forward_s=0.002)
+    engine.scheduler.shutdown()
+    # Each request's one step starts when it is scheduled, not when the engine last finished one.
+    assert clock.sleeps == [0.008, 0.008]
+    assert walls(tmp_path / "steps.jsonl") == [0.01, 0.01]
+
+
+def test_a_cost_model_faster_than_the_machine_makes_late_steps_and_the_warning(
+        vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engine_log: Captured) -> None:
+    clock = Clock()
+    fast = Emulation(**{**MODEL.__dict__, "floor_ms": 1.0, "per_batched_token_ms": 0.001})  # 1 ms a decode step
+    engine = paced_engine(vllm_parts, monkeypatch, clock, tmp_path / "steps.jsonl", fast)
+    engine.add("a", list(range(1, 21)), max_tokens=250)
+    drain(engine, clock, forward_s=0.004)  # this machine needs 4 ms: every step is late
+    counters = engine.scheduler.cf_counters
+    assert counters.emulated_steps_total == 250 and counters.emulated_late_steps_total == 250
+    assert clock.sleeps == []  # a late step ends when its work ends: nothing to wait out
+    running = [text for level, text in engine_log.lines if level == "WARNING" and "NOT FAITHFUL" in text]
+    assert len(running) == 1 and "200 of 200 steps" in running[0]  # once, while it runs
+    engine.scheduler.shutdown()
+    # The next period starts where the late step really ended (no catching up): 4 ms + 1 ms host work.
+    assert set(walls(tmp_path / "steps.jsonl")[1:]) == {0.005}
+    summary = [text for level, text in engine_log.lines if level == "INFO" and "steps ran late" in text]
+    assert summary == ["emulated: the real engine paced to step-time model test-model v1, not a proxy; 100.00% of 250 "
+                       "steps late (over 1%: not faithful); slowdown 1; 250 of 250 steps ran late, worst 5.00x its "
+                       "modelled time"]
+    final = [text for level, text in engine_log.lines if level == "WARNING" and "NOT FAITHFUL" in text]
+    assert len(final) == 2 and "250 of 250 steps (100.0%, over 1%)" in final[1]
+    assert "--emulate-slowdown" in final[1]
+
+
+def test_a_few_late_steps_are_counted_without_the_warning(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path, engine_log: Captured) -> None:
+    clock = Clock()
+    engine = paced_engine(vllm_parts, monkeypatch, clock, tmp_path / "steps.jsonl")
+    engine.add("a", list(range(1, 21)), max_tokens=300)
+    for n in range(301):
+        if not engine.scheduler.has_requests():
+            break
+        step(engine, clock, forward_s=0.012 if n == 150 else 0.002)  # one decode step of 300 takes 13 ms
+    engine.scheduler.shutdown()
+    lateness = engine.scheduler._cf_pacer.lateness  # type: ignore[attr-defined]
+    assert (lateness.steps, lateness.late) == (300, 1)
+    assert lateness.worst_ratio == pytest.approx(1.3)  # 12 ms forward + 1 ms host work against 10 ms
+    assert not [text for level, text in engine_log.lines if level == "WARNING"]
+    expected = ("emulated: the real engine paced to step-time model test-model v1, not a proxy; 0.33% of 300 steps "
+                "late; slowdown 1; 1 of 300 steps ran late, worst 1.30x its modelled time")
+    assert ("INFO", expected) in engine_log.lines
+
+
+def test_lateness_and_period_start_are_plain_functions() -> None:
+    lateness = Lateness()
+    assert lateness.count(0.010, 0.009) is False and lateness.count(0.010, 0.015) is True
+    assert (lateness.steps, lateness.late, lateness.worst_ratio) == (2, 1, pytest.approx(1.5))
+    assert lateness.late_s == pytest.approx(0.005) and lateness.share == 0.5
+    assert not lateness.faithful(0.01) and lateness.faithful(0.5)
+    # busy: from the previous end; idle: from the scheduling; scheduled before the previous end
+    # (asynchronous scheduling, one step in flight): from that end.
+    assert period_start(entered=12.0, last_end=10.0, busy_at_last_end=True) == 10.0
+    assert period_start(entered=12.0, last_end=10.0, busy_at_last_end=False) == 12.0
+    assert period_start(entered=9.0, last_end=10.0, busy_at_last_end=False) == 10.0
+    lateness = Lateness()
+    lateness.count(0.010, 0.0100999)  # within 1%: a wake-up a little late is not a late step
+    assert lateness.late == 0
+    assert summary_line(lateness, Emulation(**{**MODEL.__dict__, "proxy": True, "slowdown": 2.5})) == (
+        "emulated: the real engine paced to step-time model test-model v1, a proxy; 0.00% of 1 steps late; "
+        "slowdown 2.5; 0 of 1 steps ran late")
+
+
+def test_without_emulation_nothing_is_paced(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setenv(CONTRACT_ENV, EngineContract(Ordering("fcfs", {})).to_json())
+    monkeypatch.setattr(pacing, "time", types.SimpleNamespace(monotonic=clock, sleep=clock.sleep))
+    engine = Engine(vllm_parts, max_num_seqs=4)
+    engine.add("a", list(range(1, 21)), max_tokens=3)
+    drain(engine, clock, forward_s=0.0)
+    assert clock.sleeps == [] and engine.scheduler.cf_counters.emulated_steps_total == 0
