@@ -171,7 +171,7 @@ def serve(
                                            help="Port where the group meets on the leader (else CF_MASTER_PORT)."),
     emulate: bool = typer.Option(False, "--emulate",
                                  help="Serve the recipe on this machine's CPU with the built-in model standing in "
-                                      "for its weights, every engine step paced to the recipe's GPU (docs/emulate.md)."),
+                                      "for its weights, every step paced to the recipe's GPU (docs/emulate.md)."),
     cost_model: str | None = typer.Option(None, "--cost-model", metavar="NAME|FILE",
                                           help="With --emulate: the step-time model (default: the recipe's)."),
     emulate_slowdown: float = typer.Option(1.0, "--emulate-slowdown", metavar="K",

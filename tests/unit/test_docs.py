@@ -289,7 +289,8 @@ def test_the_metrics_table_is_what_the_page_exposes() -> None:
     usage.e2e.observe(0.3)
     everything = Snapshot(
         families={"fcfs": stats},
-        ranks={0: RankState(EngineState(EngineCounters(steps=3, waiting=1, running=2),
+        ranks={0: RankState(EngineState(EngineCounters(steps=3, waiting=1, running=2, emulated_steps_total=3,
+                                                       emulated_late_steps_total=1),
                                         sinks={"file": (1, 0), "queue": (0, 1)}), 0.2)},
         feed=ReceiverStats(messages=4),
         gpus=[GpuReading(0, "GPU-0", 300.0, 1e6, 1410, 1593, 60.0, 1 << 30, 400.0, False)],

@@ -96,6 +96,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("engine_scheduled_tokens", "counter", "Tokens scheduled by the engine", _RANK),
     MetricSpec("engine_requests_arrived", "counter", "Requests that reached the engine", _RANK),
     MetricSpec("engine_state_age_seconds", "gauge", "Time since the engine last reported", _RANK),
+    MetricSpec("engine_emulated_steps", "counter", "Engine steps paced to the step-time model (serve --emulate; "
+               "absent otherwise)", _RANK),
+    MetricSpec("engine_emulated_late_steps", "counter", "Paced steps whose real work ran past their modelled time "
+               "(serve --emulate; over 1% of the steps: the run is not faithful)", _RANK),
     MetricSpec("trace_records_written", "counter", "Trace records a sink stored", ("sink", "dp_rank")),
     MetricSpec("trace_records_dropped", "counter", "Trace records given up on (sink \"queue\": dropped before "
                "reaching any sink)", ("sink", "dp_rank")),
@@ -214,6 +218,9 @@ def families(snap: Snapshot) -> Iterator[Metric]:
             ("engine_requests_arrived", lambda r: r.engine.counters.requests_arrived_total),
             ("engine_state_age_seconds", lambda r: r.age_s),
         ]
+        if any(state.engine.counters.emulated_steps_total for state in snap.ranks.values()):
+            counted += [("engine_emulated_steps", lambda r: r.engine.counters.emulated_steps_total),
+                        ("engine_emulated_late_steps", lambda r: r.engine.counters.emulated_late_steps_total)]
         for name, of_rank in counted:
             family = _family(name)
             for rank, state in snap.ranks.items():

@@ -164,6 +164,17 @@ def scheduler_wiring(
     return [SCHEDULER_FLAG, SCHEDULER_CLS], EngineContract(Ordering(family, dict(params)), trace), []
 
 
+#: Structured output for the built-in random-weight model: the guidance backend, with no free whitespace
+#: and no properties a schema does not name. Random weights favour whitespace (valid between JSON tokens,
+#: so a forced tool call would run on to max_tokens), control characters (which xgrammar 0.2.8 lets into
+#: a string with maxLength) and, where a schema leaves additionalProperties open (vLLM's own wrapper of a
+#: "required" tool call does), keys of their own; guidance then allows none of them, so JSON with a
+#: bounded schema always completes.
+STRUCTURED_FLAG = "--structured-outputs-config"
+BUILTIN_STRUCTURED_OUTPUTS = '{"backend":"guidance","disable_any_whitespace":true,"disable_additional_properties":true}'
+#: vLLM forces the hermes parser's tool calls with xgrammar's structural tags unless this is 0.
+STRICT_TOOLS_VARIABLE = "VLLM_ENFORCE_STRICT_TOOL_CALLING"
+
 MIDDLEWARE = "carbonforge_runtime.apiserver.request_contract.RequestContract"
 API_KEY_FLAG = "--api-key"
 REASONING_FLAG = "--reasoning-parser"
@@ -269,11 +280,19 @@ def build_recipe_plan(
     argv += sched_args
     api_args, api = api_wiring(recipe.api, user_args, settings.max_request_bytes)
     argv += api_args
+    notes: list[str] = []
+    builtin_env: dict[str, str] = {}
+    if recipe.model.builtin and not given.given(STRUCTURED_FLAG):
+        argv += [STRUCTURED_FLAG, BUILTIN_STRUCTURED_OUTPUTS]
+        # Forced tool calls as JSON with the tool's schema (guidance has no structural tags).
+        builtin_env[STRICT_TOOLS_VARIABLE] = "0"
+        notes.append(f"built-in model: structured output with {BUILTIN_STRUCTURED_OUTPUTS} and forced tool calls as "
+                     f"JSON ({STRICT_TOOLS_VARIABLE}=0): its random weights then complete JSON of a bounded schema")
     argv += env_extra + list(extra_args)
 
     env = dict(base_env or {})
     env.update(env_secrets)
-    for name, value in recipe.env.items():
+    for name, value in {**builtin_env, **recipe.env}.items():
         env.setdefault(name, value)
     env.update(api.env())
     return LaunchPlan(
@@ -289,7 +308,7 @@ def build_recipe_plan(
         argv=argv,
         env=env,
         departures=departures,
-        notes=[*secret_notes, *sched_notes],
+        notes=[*secret_notes, *sched_notes, *notes],
         contract=contract,
         api=api,
     )

@@ -48,6 +48,12 @@ from carbonforge_runtime.runtime.planning.command import (
     engine_args,
     user_scheduler_cls,
 )
+from carbonforge_runtime.runtime.planning.emulate import (
+    EmulateOptions,
+    describe_emulation,
+    emulated_recipe,
+    emulation_contract,
+)
 from carbonforge_runtime.runtime.planning.trace_options import resolve_trace_options, trace_export_lines
 from carbonforge_runtime.runtime.process.drain import stop_timeout_s
 from carbonforge_runtime.runtime.vllm_cli.args import read
@@ -83,6 +89,12 @@ class ServeOptions:
     node_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    #: Serve the recipe on the CPU with the built-in model, every step paced to a step-time model.
+    emulate: bool = False
+    #: --emulate's step-time model (a shipped name or a YAML file); None: the recipe's.
+    cost_model: str | None = None
+    #: --emulate: every step this many times longer than the model says.
+    emulate_slowdown: float = 1.0
     vllm_args: list[str] = field(default_factory=list)
 
     def group_flags(self) -> GroupFlags:
@@ -110,6 +122,8 @@ class ServePlan:
     privacy: PrivacyEnv | None = None
     #: Where the engine's compile and kernel caches go (CF_COMPILE_CACHE_DIR), and why.
     compile_cache: CompileCacheEnv | None = None
+    #: serve --emulate: the recipe as it is in its file, and the emulation's options.
+    emulated: tuple[Recipe, EmulateOptions] | None = None
 
     @property
     def recipe(self) -> Recipe | None:
@@ -135,6 +149,8 @@ def model_source(options: ServeOptions, recipes: Mapping[str, Recipe]) -> ModelS
     try:
         if options.context_key:
             recipe = resolve(options.context_key, recipes)
+            if options.emulate:
+                return ModelSource(recipe.model.repo, None, True)
             return ModelSource(recipe.model.repo, recipe.model.revision, bool(recipe.model.builtin))
         if options.vllm_args:
             return ModelSource(model_from_args(options.vllm_args), read(options.vllm_args).value("--revision"))
@@ -165,14 +181,18 @@ def _compile_cache(launch: LaunchPlan, settings: Settings, environ: Mapping[str,
 
 def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, Recipe],
                environ: Mapping[str, str], cwd: str | None = None, weights_present: str | None = None,
-               api_key: str | None = None, keys_file: str | None = None) -> ServePlan:
+               api_key: str | None = None, keys_file: str | None = None,
+               emulate: EmulateOptions | None = None) -> ServePlan:
     """The plan for ``options``; raises :class:`UsageError` (or another fixable error) on options
     that cannot be served. ``environ`` is the runtime's environment, which the engine inherits.
     ``weights_present`` says why the weights of :func:`model_source` need no download (already in the
     Hugging Face cache, a local directory), or is None when they are not on this machine; the engine
     then serves offline (:mod:`~carbonforge_runtime.runtime.engine_env.privacy`). ``api_key`` is the key clients
     must send (CF_API_KEY or the file CF_API_KEY_FILE, read by the caller); ``keys_file`` the keys file
-    of named keys (CF_API_KEYS_FILE, checked by the caller), which vLLM's API server reads itself."""
+    of named keys (CF_API_KEYS_FILE, checked by the caller), which vLLM's API server reads itself.
+    ``emulate`` (``serve --emulate``, its step-time model read by the caller) serves the recipe paced on
+    the CPU (:mod:`~carbonforge_runtime.runtime.planning.emulate`)."""
+    check_emulate_flags(options, emulate)
     messages: list[Message] = []
     group = resolve_group(settings, options.group_flags())
     check_no_group_flags([*settings.vllm_extra_args, *options.vllm_args])
@@ -184,6 +204,10 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
     _key_env(base_env, api_key, keys_file)
     if options.context_key:
         recipe = resolve(options.context_key, recipes)
+        original = recipe
+        if emulate is not None:
+            recipe, notes = emulated_recipe(recipe, emulate)
+            messages += [Message("info", line) for line in notes]
         check_recipe_fits(recipe, group)
         check_no_group_flags(recipe.extra_args)
         model_path = str(settings.tiny_model_dir) if recipe.model.builtin else None
@@ -199,10 +223,13 @@ def build_plan(options: ServeOptions, settings: Settings, recipes: Mapping[str, 
         trace = _trace_per_rank(launch, trace, messages)
         _place(launch, group, messages)
         _step_log(launch, options, cwd, messages)
+        if emulate is not None:
+            _emulation(launch, original, emulate, messages)
         privacy = _privacy(launch, recipe.model.repo, present, environ, messages)
         cache = _compile_cache(launch, settings, environ, messages)
         _api_access(launch, messages)
-        return ServePlan(launch, trace, messages=messages, privacy=privacy, compile_cache=cache)
+        return ServePlan(launch, trace, messages=messages, privacy=privacy, compile_cache=cache,
+                         emulated=(original, emulate) if emulate is not None else None)
     if not options.vllm_args:
         raise _nothing_to_serve(options, environ)
     if options.strict_hardware:
@@ -276,6 +303,34 @@ def _step_log(launch: LaunchPlan, options: ServeOptions, cwd: str | None, messag
         )
     launch.contract = replace(launch.contract, step_log=StepLogConfig(file=path))
     messages.append(Message("info", f"step log: one line per engine step to {path} (for sim-calibrate)"))
+
+
+def check_emulate_flags(options: ServeOptions, emulate: EmulateOptions | None) -> None:
+    """--emulate serves a recipe; --cost-model and --emulate-slowdown belong to it."""
+    if options.emulate and not options.context_key:
+        raise UsageError("--emulate serves a recipe, and no --context-key is given (the full-override mode has no "
+                         "step-time model)", "add --context-key KEY, or drop --emulate")
+    if not options.emulate and (options.cost_model is not None or options.emulate_slowdown != 1.0):
+        flag = "--cost-model" if options.cost_model is not None else "--emulate-slowdown"
+        raise UsageError(f"{flag} only applies to a paced engine", f"add --emulate, or drop {flag}")
+    if options.emulate and emulate is None:
+        raise UsageError("--emulate needs its step-time model", "pass --cost-model NAME|FILE")
+
+
+def _emulation(launch: LaunchPlan, original: Recipe, emulate: EmulateOptions, messages: list[Message]) -> None:
+    """Tell the engine's scheduler to pace every step (``--emulate``), through the engine contract."""
+    if launch.contract is None:
+        raise UsageError(
+            f"--emulate paces steps inside the CarbonForge scheduler, but --scheduler-cls "
+            f"{user_scheduler_cls(launch.argv) or '?'} replaces it",
+            "remove --scheduler-cls from the vLLM arguments, or drop --emulate",
+        )
+    launch.contract = replace(launch.contract, emulation=emulation_contract(emulate))
+    model = emulate.cost_model
+    proxy = " (a PROXY model: its figures are estimates)" if model.proxy else ""
+    messages.append(Message("info", f"emulated: {original.key_text} on the CPU with the built-in model standing in "
+                                    f"for {original.model.repo}; every step paced to {model.name} v{model.version}"
+                                    f"{proxy} x{emulate.slowdown:g}; no licence needed"))
 
 
 def _key_env(env: dict[str, str], api_key: str | None, keys_file: str | None) -> None:
@@ -392,6 +447,8 @@ def describe_plan(plan: ServePlan, options: ServeOptions, environ: Mapping[str, 
     """The effective configuration, with the source of every knob (the first part of the dry run)."""
     launch = plan.launch
     out = [f"mode:               {launch.mode}"]
+    if plan.emulated is not None:
+        out += describe_emulation(*plan.emulated)
     recipe = launch.recipe
     if recipe:
         out.append(f"context key:        {recipe.key_text}  ({recipe.source})")

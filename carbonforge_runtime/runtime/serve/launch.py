@@ -28,7 +28,7 @@ from carbonforge_runtime.core.api_contract import GROUP_DOWN_VARIABLE, LICENCE_E
 from carbonforge_runtime.core.contract import EngineContract, TraceConfig
 from carbonforge_runtime.errors import CarbonForgeError, LicenseError
 from carbonforge_runtime.gpu.types import GpuBackend, GpuSnapshot
-from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
+from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs, resolve
 from carbonforge_runtime.runtime.doctor.preflight import (
     Verdicts,
     check_hardware,
@@ -41,6 +41,7 @@ from carbonforge_runtime.runtime.group.placement import Group
 from carbonforge_runtime.runtime.group.secret import read_group_secret
 from carbonforge_runtime.runtime.licensing.watch import watch_licence
 from carbonforge_runtime.runtime.planning.command import LaunchPlan
+from carbonforge_runtime.runtime.planning.emulate import EmulateOptions, check_slowdown
 from carbonforge_runtime.runtime.planning.plan import (
     ServeOptions,
     ServePlan,
@@ -103,6 +104,20 @@ def load_all_recipes(settings: Settings) -> dict[str, Recipe]:
     return load_recipes(recipe_dirs(settings.recipes_dir))
 
 
+def emulate_options(options: ServeOptions, recipes: Mapping[str, Recipe]) -> EmulateOptions | None:
+    """``--emulate``'s step-time model (``--cost-model``, else the shipped one of the recipe's GPU and
+    tensor-parallel size) and slowdown; None without --emulate. Reads the model's file."""
+    if not options.emulate or not options.context_key:
+        return None  # build_plan refuses what is missing, with the fix
+    from carbonforge_runtime.core.step_models import resolve_model
+
+    recipe = resolve(options.context_key, recipes)
+    hardware = recipe.key.hardware
+    tp = int(recipe.vllm.get("tensor_parallel_size", 1) or 1)
+    model = resolve_model(options.cost_model, None if hardware.is_cpu else hardware.family, tp)
+    return EmulateOptions(model, check_slowdown(options.emulate_slowdown))
+
+
 def _log_messages(plan: ServePlan) -> None:
     logger = cflog.get_logger()
     for message in plan.messages:
@@ -121,10 +136,11 @@ def prepare(options: ServeOptions, settings: Settings, environ: Mapping[str, str
     A refusal raises, except in a dry run: that one records it in the verdicts, so that the whole plan
     is still shown with what a launch would do and the fix."""
     recipes = load_all_recipes(settings)
+    emulate = emulate_options(options, recipes)
     source = model_source(options, recipes)
     present = weights_on_host(source.model, source.revision, source.builtin, environ) if source else None
     plan = build_plan(options, settings, recipes, environ, weights_present=present, api_key=read_api_key(settings),
-                      keys_file=check_keys_file(settings))
+                      keys_file=check_keys_file(settings), emulate=emulate)
     _log_messages(plan)
     refusals: list[CarbonForgeError] = []
     try:
