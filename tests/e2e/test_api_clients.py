@@ -3,8 +3,10 @@ vLLM CPU engine, with an API key required and request tracing on.
 
 One engine serves every check here. The tiny model's weights are random, so output is forced where a
 test needs a shape: tool calls by ``tool_choice`` ``required`` or a named function with a strict
-schema (structured output makes the arguments valid for it), thinking by the recipe's thinking budget
-(the engine closes the thinking block after a few tokens, so an answer follows).
+schema, and JSON by a ``json_schema`` response format (the built-in model's structured output, with no
+free whitespace and no unnamed properties, makes them valid for a bounded schema with no ``logit_bias``
+from the client), thinking by the recipe's thinking budget (the engine closes the thinking block after
+a few tokens, so an answer follows).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants, no_blank_tokens_bias
+from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants
 
 API_KEY = "cf-test-key-8d1f0c5e2b"
 WEATHER_SCHEMA: dict[str, Any] = {
@@ -49,7 +51,6 @@ class Session:
         self.runtime = runtime
         self.trace = trace
         self.client = openai.OpenAI(base_url=runtime.base_url, api_key=API_KEY, timeout=120, max_retries=0)
-        self.bias = no_blank_tokens_bias()
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def calls_of(message: Any) -> list[tuple[str, dict[str, Any]]]:
                          ids=["required", "named"])
 def test_forced_tool_calls_match_the_schema_streamed_or_not(session: Session, choice: Any) -> None:
     common: Any = {"model": TINY_SERVED_NAME, "messages": ASK, "tools": [WEATHER_TOOL], "tool_choice": choice,
-                   "max_tokens": ROOM, "seed": 11, "logit_bias": session.bias, "parallel_tool_calls": False}
+                   "max_tokens": ROOM, "seed": 11, "parallel_tool_calls": False}
     reply = session.client.chat.completions.create(**common)
     assert reply.choices[0].finish_reason in ("tool_calls", "stop")
     expected = calls_of(reply.choices[0].message)
@@ -99,6 +100,16 @@ def test_forced_tool_calls_match_the_schema_streamed_or_not(session: Session, ch
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == expected
 
 
+def test_a_json_schema_response_matches_the_schema(session: Session) -> None:
+    for seed in (1, 2):
+        reply = session.client.chat.completions.create(
+            model=TINY_SERVED_NAME, messages=ASK, max_tokens=ROOM, seed=seed,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "forecast", "schema": WEATHER_SCHEMA, "strict": True}})
+        assert reply.choices[0].finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.choices[0].message.content or ""), WEATHER_SCHEMA)
+
+
 def test_auto_tool_choice_is_accepted(session: Session) -> None:
     reply = session.client.chat.completions.create(model=TINY_SERVED_NAME, messages=ASK, tools=[WEATHER_TOOL],
                                                    tool_choice="auto", max_tokens=16)
@@ -114,8 +125,7 @@ class get_weather(BaseModel):  # the tool's name, as the model sees it
 
 def test_langchain_bind_tools(session: Session) -> None:
     llm = ChatOpenAI(base_url=session.runtime.base_url, api_key=API_KEY,  # type: ignore[arg-type]
-                     model=TINY_SERVED_NAME, timeout=120, max_retries=0, max_tokens=ROOM, seed=5,
-                     logit_bias=session.bias)
+                     model=TINY_SERVED_NAME, timeout=120, max_retries=0, max_tokens=ROOM, seed=5)
     bound = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True, parallel_tool_calls=False)
     message = bound.invoke("Weather in Oslo?")
     assert [call["name"] for call in message.tool_calls] == ["get_weather"]

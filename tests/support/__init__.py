@@ -251,22 +251,6 @@ class RuntimeProcess:
         return "\n".join(lines)
 
 
-def no_blank_tokens_bias() -> dict[str, int]:
-    """A ``logit_bias`` that keeps the tiny model from whitespace-only and control-character tokens.
-
-    Its random weights favour them; inside a forced tool call they make the JSON arguments run on
-    (whitespace between tokens is valid JSON) or unparseable (a raw control character in a string)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
-    bias: dict[str, int] = {}
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id])
-        if text and (not text.strip() or any(ord(ch) < 32 or ch == "\x7f" for ch in text)):
-            bias[str(token_id)] = -100
-    return bias
-
-
 def synthetic_mooncake(path: Path, count: int, seed: int, per_second: float, prompt: tuple[int, int],
                        output: tuple[int, int]) -> Path:
     """A Mooncake-format trace of ``count`` unshared prompts: Poisson arrivals at ``per_second``,
