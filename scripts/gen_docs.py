@@ -279,6 +279,22 @@ def recipes_predicted_table() -> str:
                    "p99 e2e s (vs FCFS)", "mean TTFT s (vs FCFS)", "req/s"], rows)
 
 
+def recipe_labels_table() -> str:
+    """For each shipped recipe, the label of its benchmark figures, as ``recipes show`` prints it
+    (:mod:`carbonforge_runtime.core.figure_labels`)."""
+    from carbonforge_runtime.core.figure_labels import benchmark_labels
+    from carbonforge_runtime.recipes.loader import load_recipes, shipped_recipes_dir
+
+    rows = []
+    for key, recipe in sorted(load_recipes([shipped_recipes_dir()]).items()):
+        labels = benchmark_labels(recipe.benchmark)
+        if not labels:
+            rows.append((_code(key), "none", "no figures: neither measured nor predicted"))
+        for part, label in labels:
+            rows.append((_code(key), f"{label.kind} (`benchmark.{part}`)", label.text()))
+    return _table(["Context key", "Figures", "Label (as `recipes show` prints it)"], rows)
+
+
 #: The ordering benchmark's committed result (benchmarks/ordering_twin.py --full).
 ORDERING_RESULT = REPO / "benchmarks" / "results" / "ordering_twin_full.json"
 
@@ -665,6 +681,8 @@ TABLES: dict[str, Generated] = {
     "env-vars": Generated("environment.md", env_vars_table),
     "recipes": Generated("recipes.md", recipes_table),
     "recipes-predicted": Generated("recipes.md", recipes_predicted_table),
+    "recipe-labels": Generated("recipes.md", recipe_labels_table),
+    "recipe-labels-sim": Generated("sim.md", recipe_labels_table),
     "ordering-twin": Generated("ordering.md", ordering_twin_table),
     "fairness-twin": Generated("ordering.md", fairness_twin_table),
     "recipe-api": Generated("clients.md", recipe_api_table),
