@@ -207,10 +207,12 @@ def _prepared(trace: TraceSpec, limit: int | None, family: str, params: dict[str
 
 def capacity_job(trace: TraceSpec, limit: int | None, variant: str) -> dict[str, Any]:
     from carbonforge_runtime.engine.twin import measure_capacity
+    from carbonforge_runtime.offline.sim.setup import CAPACITY_FAMILY, capacity_engine
 
     t0 = time.process_time()
-    base, cost, twin, served = _prepared(trace, limit, "fcfs", {}, variant)
-    capacity = measure_capacity(served, twin, cost)
+    # One capacity per trace and variant, measured as sim --load measures it (FCFS), whatever family runs.
+    base, cost, twin, served = _prepared(trace, limit, CAPACITY_FAMILY, {}, variant)
+    capacity = measure_capacity(served, capacity_engine(twin), cost)
     return {"trace": trace.name, "variant": variant, "capacity_rps": capacity, "requests": len(base.requests),
             "served": len(served), "cost_model": cost.name, "proxy": cost.proxy, "kv_tokens": twin.kv_tokens,
             "cpu_s": time.process_time() - t0}
