@@ -18,6 +18,7 @@ from operator import is_not, sub
 from pathlib import Path
 from typing import Any
 
+from carbonforge_runtime.core.figure_labels import EMULATED, MEASURED, PREDICTED
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.offline.trace_reader import (
     DamagedInput,
@@ -151,7 +152,25 @@ class Summary:
             window["start_utc"] = utc(window["start"])
         data["first_arrival_utc"] = utc(self.overall.first_arrival)
         data["last_completion_utc"] = utc(self.overall.last_completion)
+        data["label"] = figures_label(self)
         return data
+
+
+#: Records that start before this Unix time (2000-01-01) are in virtual time: ``sim`` writes its
+#: per-request records with the first arrival at the epoch; an engine writes wall-clock times.
+VIRTUAL_TIME_BEFORE_S = 946_684_800.0
+
+
+def figures_label(summary: Summary) -> dict[str, str]:
+    """Where the summarized figures come from (:mod:`carbonforge_runtime.core.figure_labels`'s words):
+    predicted for ``sim``'s virtual-time records; otherwise the engine that wrote the trace measured
+    them, or served them emulated, which the trace itself does not record."""
+    if summary.overall.first_arrival < VIRTUAL_TIME_BEFORE_S:
+        return {"kind": PREDICTED, "text": f"{PREDICTED} by the twin (virtual-time records written by sim; the "
+                "step-time model is named in the label of sim's result file)"}
+    return {"kind": f"{MEASURED} or {EMULATED}",
+            "text": f"from the engine that wrote the trace: {MEASURED} on its host, or {EMULATED} if it was "
+                    "served with --emulate (the trace names neither the host nor the pacing)"}
 
 
 def utc(unix_s: float) -> str:
@@ -601,6 +620,7 @@ def render_text(summary: Summary) -> str:
     files = ", ".join(report.path for report in summary.files)
     bad = f", {summary.bad_lines} bad lines skipped" if summary.bad_lines else ""
     out.append(f"trace: {files}")
+    out.append(f"figures: {figures_label(summary)['text']}")
     out.append(f"records: {summary.records:,}{bad}")
     out.append(f"time span: {utc(overall.first_arrival)} -> {utc(overall.last_completion)} UTC "
                f"({summary.span_s:,.1f} s)")
