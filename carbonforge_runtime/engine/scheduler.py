@@ -4,6 +4,9 @@ It subclasses the stock V1 scheduler of the pinned vLLM and overrides only publi
 ``add_request`` (arrival), ``schedule`` (first admission), ``update_from_output`` (first token,
 normal completion), ``finish_requests`` (aborts and errors), ``has_requests`` and ``shutdown``
 (write every queued record before the engine exits, see :meth:`_CarbonForgeMixin.has_requests`).
+One private method is overridden as well, ``_reserve_prefill_lookahead``: vLLM 0.32 passes every
+chunk it schedules through it last, and the tenants' prompt budgets of a step are applied there
+(:meth:`_CarbonForgeMixin._reserve_prefill_lookahead`; a unit test fails if vLLM stops calling it).
 Per step it does a handful of attribute writes plus work proportional to the requests admitted
 or finished in that step (with the step log on, two clock reads, a dict write and pop and one
 append: :mod:`~carbonforge_runtime.engine.step_log`); records leave through
@@ -43,6 +46,7 @@ from carbonforge_runtime.core.contract import (
 )
 from carbonforge_runtime.core.feed_protocol import EngineCounters
 from carbonforge_runtime.core.ordering.base import Family, WaitingRequest
+from carbonforge_runtime.core.ordering.prefill_budget import grant, is_prefill, prefill_budgets, spent
 from carbonforge_runtime.core.ordering.registry import make_family
 from carbonforge_runtime.core.ordering.tenancy import Ledger, pick_fair, read_fairness, tenancy_of
 from carbonforge_runtime.core.request_tags import MODEL_ARG, TAGS_ARG, TENANT_ARG
@@ -164,6 +168,8 @@ class ScoredQueue(RequestQueue):
         self.sync_service: Callable[[], None] | None = None
         #: Whether tokens were generated since the last sync (set at each step's output).
         self.service_stale = False
+        #: The step's prompt budgets of capped tenants (the scheduler's dict, core/ordering/prefill_budget.py).
+        self.prefill_left: dict[str, int] = {}
         #: Past this many waiting requests the prefix cache is not asked (cached_tokens stays 0).
         self.cache_lookup_limit: int | None = getattr(family, "cache_lookup_limit", None)
         self.clock = clock
@@ -210,7 +216,8 @@ class ScoredQueue(RequestQueue):
         if ledger is not None and self.service_stale and ledger.mixed and self.sync_service is not None:
             self.service_stale = False
             self.sync_service()
-        index, score = pick_fair(waiting, self.family.score, now, self.max_overtake_s, ledger)
+        skip = spent(self.prefill_left) if self.prefill_left else ()
+        index, score = pick_fair(waiting, self.family.score, now, self.max_overtake_s, ledger, skip)
         chosen = self._pool[index]
         self._peeked, self._peeked_index = chosen, index
         state = self.live.get(chosen.request_id)
@@ -313,6 +320,8 @@ class _CarbonForgeMixin:
         self._cf_family: Family = make_family(contract.ordering.family, contract.ordering.params)
         #: The tenants' fair-share counters and who waits (core/ordering/tenancy.py).
         self._cf_ledger = Ledger(read_fairness(contract.ordering.family, contract.ordering.params))
+        #: During one schedule(): prompt tokens each tenant over its share may still get (prefill_budget.py).
+        self._cf_prefill_left: dict[str, int] = {}
         #: A family that keeps vLLM's queue swaps in the scored queue once a second tenant (with
         #: fairness on) or a second priority class arrives: (tenant, class) of the first request.
         self._cf_first_tenancy: tuple[str, int] | None = None
@@ -410,6 +419,7 @@ class _CarbonForgeMixin:
     def _cf_scored_queue(self) -> ScoredQueue:
         queue = ScoredQueue(self._cf_family, self._cf_live, self._cf_cached_tokens, self._cf_clock, self._cf_ledger)
         queue.sync_service = self._cf_sync_service
+        queue.prefill_left = self._cf_prefill_left
         return queue
 
     def _cf_watch_tenancy(self, request: Request) -> None:
@@ -449,6 +459,41 @@ class _CarbonForgeMixin:
                 ledger.charge(state.waiting.tenant, state.waiting.share, output_tokens=generated - state.charged_output)
                 state.charged_output = generated
 
+    def _cf_tenant(self, request: Request) -> str:
+        state = self._cf_live.get(request.request_id)
+        if state is not None and state.waiting is not None:
+            return state.waiting.tenant
+        params = request.sampling_params
+        return tenancy_of(params.extra_args if params is not None else None)[0]
+
+    def _cf_cap_prefill(self, budgets: dict[str, int]) -> None:
+        """Before a step, with several tenants seen: the prompt budgets of the tenants over their share."""
+        ledger = self._cf_ledger
+        running: dict[str, int] = {}
+        for request in self.running:
+            tenant = self._cf_tenant(request)
+            running[tenant] = running.get(tenant, 0) + 1
+        shares = ledger.shares
+        with_work = {tenant: shares.get(tenant, 1.0) for tenant in running}
+        for _, tenant in ledger.waiting:
+            with_work[tenant] = shares.get(tenant, 1.0)
+        budgets.update(prefill_budgets(running, with_work, ledger.fairness.prefill_tokens))
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM 0.32 sizes every chunk it schedules (running and newly admitted requests) through this
+        method last, and skips a request given 0 tokens; here a capped tenant's prompt chunk is cut
+        to what is left of its step budget (core/ordering/prefill_budget.py)."""
+        num_new_tokens = super()._reserve_prefill_lookahead(  # type: ignore[misc]
+            request, num_computed_tokens, num_new_tokens)
+        budgets = self._cf_prefill_left
+        if budgets and num_new_tokens > 0 and is_prefill(num_computed_tokens, request.num_tokens):
+            tenant = self._cf_tenant(request)
+            left = budgets.get(tenant)
+            if left is not None:
+                num_new_tokens = grant(left, num_new_tokens)
+                budgets[tenant] = left - num_new_tokens
+        return int(num_new_tokens)
+
     def _cf_cached_tokens(self, request: Request) -> int:
         if request.num_computed_tokens:
             return int(request.num_computed_tokens)
@@ -468,7 +513,14 @@ class _CarbonForgeMixin:
         steps = self._cf_steps
         pacer = self._cf_pacer
         entered = time.monotonic() if steps is not None or pacer is not None else 0.0
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        budgets = self._cf_prefill_left
+        fairness = self._cf_ledger.fairness
+        if fairness.on and fairness.prefill_tokens and len(self._cf_ledger.counters) > 1:
+            self._cf_cap_prefill(budgets)
+        try:
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            budgets.clear()
         if steps is not None:
             steps.scheduled(output, entered)
         if pacer is not None:

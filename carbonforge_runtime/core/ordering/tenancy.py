@@ -48,11 +48,12 @@ weighted cost of one request, ``fair_prompt_weight x prompt + fair_output_weight
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from carbonforge_runtime.core.ordering.base import WaitingRequest
+from carbonforge_runtime.core.ordering.prefill_budget import DEFAULT_FAIR_PREFILL_TOKENS
 from carbonforge_runtime.core.request_tags import PRIORITY_ARG, SHARE_ARG, TENANT_ARG, tenant_from_arg
 from carbonforge_runtime.core.tenant_labels import DEFAULT_TENANT
 from carbonforge_runtime.errors import UsageError
@@ -64,7 +65,7 @@ MAX_PRIORITY = 1_000_000
 MAX_SHARE = 1e6
 FAIRNESS_MODES = ("vtc", "off")
 #: The ``scheduler.params`` the composition reads (every family accepts them).
-TENANCY_PARAMS = ("fairness", "fair_prompt_weight", "fair_output_weight")
+TENANCY_PARAMS = ("fairness", "fair_prompt_weight", "fair_output_weight", "fair_prefill_tokens")
 #: The wait bound of families that do not reorder (``fcfs``, ``trace``): they carry no guard of their
 #: own, and classes and tenants reorder their queue once requests of several arrive.
 DEFAULT_MAX_OVERTAKE_S = 60.0
@@ -119,6 +120,9 @@ class Fairness:
     mode: str = "vtc"
     prompt_weight: float = 1.0
     output_weight: float = 2.0
+    #: Prompt tokens per engine step for a tenant over its fair share while others have work
+    #: (:mod:`.prefill_budget`); 0: no cap.
+    prefill_tokens: int = DEFAULT_FAIR_PREFILL_TOKENS
 
     @property
     def on(self) -> bool:
@@ -148,8 +152,13 @@ def read_fairness(family: str, params: Mapping[str, Any]) -> Fairness:
     mode = params.get("fairness", "vtc")
     if mode not in FAIRNESS_MODES:
         raise _param_error(family, "fairness", f"must be one of {', '.join(FAIRNESS_MODES)}, got {str(mode)[:40]!r}")
+    cap = params.get("fair_prefill_tokens", DEFAULT_FAIR_PREFILL_TOKENS)
+    if isinstance(cap, float) and cap.is_integer():
+        cap = int(cap)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise _param_error(family, "fair_prefill_tokens", f"must be a whole number of at least 0, got {str(cap)[:40]}")
     return Fairness(str(mode), _weight(family, params, "fair_prompt_weight", 1.0),
-                    _weight(family, params, "fair_output_weight", 2.0))
+                    _weight(family, params, "fair_output_weight", 2.0), cap)
 
 
 # -- the counters -----------------------------------------------------------------------------------
@@ -162,7 +171,7 @@ class Ledger:
     leaves it (admitted or aborted), and the engine :meth:`charge` as tokens are served.
     """
 
-    __slots__ = ("counters", "fairness", "last_left", "waiting")
+    __slots__ = ("counters", "fairness", "last_left", "shares", "waiting")
 
     def __init__(self, fairness: Fairness | None = None) -> None:
         self.fairness = fairness or Fairness()
@@ -172,6 +181,8 @@ class Ledger:
         self.waiting: dict[tuple[int, str], int] = {}
         #: priority class -> the last tenant whose queue in that class emptied
         self.last_left: dict[int, str] = {}
+        #: tenant -> its share, as its latest request carried it
+        self.shares: dict[str, float] = {}
 
     @property
     def mixed(self) -> bool:
@@ -184,6 +195,7 @@ class Ledger:
     def arrive(self, req: WaitingRequest) -> None:
         key = (req.priority, req.tenant)
         count = self.waiting.get(key, 0)
+        self.shares[req.tenant] = req.share
         if count == 0 and self.fairness.on:
             self._lift(req.priority, req.tenant)
         self.waiting[key] = count + 1
@@ -265,11 +277,13 @@ def _score_of(score: Callable[[WaitingRequest, float], float | None], req: Waiti
 
 
 def pick_fair(waiting: Sequence[WaitingRequest], score: Callable[[WaitingRequest, float], float | None], now: float,
-              max_overtake_s: float | None, ledger: Ledger | None) -> tuple[int, float]:
+              max_overtake_s: float | None, ledger: Ledger | None, skip: Collection[str] = ()) -> tuple[int, float]:
     """Index of the request to admit next, and its family score (``-inf`` for a family that does not score).
 
     See the module's description. ``ledger`` None, or a ledger that sees one (class, tenant) only,
-    gives exactly :func:`pick_next`'s choice over the whole queue.
+    gives exactly :func:`pick_next`'s choice over the whole queue. ``skip`` names tenants whose
+    turn is passed over for this pick (their prompt budget of the step is spent,
+    :mod:`.prefill_budget`) as long as another tenant of the class has a request waiting.
     """
     if not waiting:
         raise ValueError("pick_fair needs at least one waiting request")
@@ -298,7 +312,13 @@ def pick_fair(waiting: Sequence[WaitingRequest], score: Callable[[WaitingRequest
                 head = heads.get(w.tenant)
                 if head is None or w.arrival_time < head:
                     heads[w.tenant] = w.arrival_time
-        if len(heads) > 1:
+        if skip and len(heads) > 1:
+            others = {t: head for t, head in heads.items() if t not in skip}
+            if others:
+                heads = others
+                if len(heads) == 1:
+                    chosen = next(iter(heads))
+        if chosen is None and len(heads) > 1:
             counters = ledger.counters
             chosen = min(heads, key=lambda t: (counters.get(t, 0.0), heads[t]))
     if chosen is None:
