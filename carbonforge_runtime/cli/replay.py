@@ -69,6 +69,7 @@ def _run(trace: Path, base_url: str, model: str | None, api_key: str, rate: floa
          send_true_length: bool, quiet: bool) -> int:
     import asyncio
 
+    from carbonforge_runtime.core.figure_labels import EMULATED, MEASURED
     from carbonforge_runtime.files import write_text_atomic
     from carbonforge_runtime.offline.replay.aggregate import format_table
     from carbonforge_runtime.offline.replay.plan import PlanOptions, build_plan
@@ -97,6 +98,10 @@ def _run(trace: Path, base_url: str, model: str | None, api_key: str, rate: floa
              f"{plan[-1].send_at_s:.1f} s against {run_options.base_url}")
     result = asyncio.run(run_replay(plan, run_options, progress))
     summary = result.summary()
+    label = {"kind": f"{MEASURED} or {EMULATED}",
+             "text": f"{MEASURED} by this client against {run_options.base_url} (the serving host is not recorded "
+                     f"here; a server run with serve --emulate gives {EMULATED} figures, its /metrics counts the "
+                     "late steps)"}
     document: dict[str, Any] = {
         "trace": str(trace),
         "trace_kind": recording.kind,
@@ -108,8 +113,10 @@ def _run(trace: Path, base_url: str, model: str | None, api_key: str, rate: floa
                     "prompt_format": prompt_format, "seed": seed, "concurrency": concurrency,
                     "deadline_s": deadline_s, "send_true_length": send_true_length},
         "summary": summary,
+        "label": label,
         "requests": [o.to_json() for o in result.outcomes],
     }
+    print(f"figures: {label['text']}")
     print(format_table(summary))  # before the file: a write that fails still shows the run's figures
     try:
         write_text_atomic(output, json.dumps(document, indent=1) + "\n")

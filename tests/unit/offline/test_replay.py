@@ -288,8 +288,10 @@ def test_cli_writes_the_json_result_and_refuses_nonsense(stand_in: _Server, tmp_
     result = runner.invoke(app, ["replay", str(trace), "--base-url", base, "-o", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "e2e latency" in result.output
+    assert f"figures: measured by this client against {base} (the serving host is not recorded" in result.output
     doc = json.loads(out.read_text())
     assert doc["summary"]["ok"] == 2 and len(doc["requests"]) == 2
+    assert doc["label"]["kind"] == "measured or emulated"
     assert all(r["latency_s"] > 0 for r in doc["requests"])
     bad = runner.invoke(app, ["replay", str(trace), "--base-url", base, "--rate", "-2"])
     assert bad.exit_code == 2 and "rate -2.0 must be a positive number" in bad.output
