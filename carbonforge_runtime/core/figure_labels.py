@@ -182,22 +182,15 @@ def benchmark_labels(block: Mapping[str, Any] | None) -> list[tuple[str, FigureL
     """The labels of a recipe's ``benchmark`` block, as (the part of the block, its label):
 
     * ``figures`` when ``measured_on`` names a host: measured (a mapping ``gpu``, ``gpu_count``,
-      ``driver``, ``vllm``, or a line of text; the date from ``date``); an ``emulated`` mapping
-      under ``figures`` (with ``cost_model``, ``late_steps``, ``steps``) makes them emulated instead;
+      ``driver``, ``vllm``, or a line of text; the date from ``date``);
     * ``predicted``: predicted, with its ``cost_model``.
 
     Empty when the block holds no figures."""
     out: list[tuple[str, FigureLabel]] = []
     if not block:
         return out
-    figures = block.get("figures")
     host = block.get("measured_on")
-    pacing = figures.get("emulated") if isinstance(figures, Mapping) else None
-    if isinstance(pacing, Mapping):
-        model = _model_ref(pacing.get("cost_model"))
-        out.append(("figures", FigureLabel(EMULATED, step_model=model, late_steps=_count(pacing.get("late_steps")),
-                                           steps=_count(pacing.get("steps")))))
-    elif host:
+    if host:
         date = block.get("date")
         out.append(("figures", FigureLabel(MEASURED, host=_host(host), date=None if date is None else str(date))))
     forecast = block.get("predicted")

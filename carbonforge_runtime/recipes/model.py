@@ -298,10 +298,27 @@ PREDICTED_FIELDS = {"measured", "by", "trace", "window", "goal", "slo", "cost_mo
                     "shipped", "baseline"}
 
 
+#: The fields of ``benchmark.measured_on`` when it is a mapping: the host measured figures came from.
+MEASURED_ON_FIELDS = {"gpu", "gpu_count", "driver", "vllm"}
+
+
 def _benchmark(top: _Fields) -> dict[str, Any]:
-    """The ``benchmark`` block: known fields only; predicted figures must say they were not measured."""
+    """The ``benchmark`` block: known fields only; predicted figures must say they were not measured,
+    and measured figures must name the host they were measured on."""
     fields = top.section("benchmark", required=False)
     fields.reject_unknown(BENCHMARK_FIELDS)
+    host = fields.get("measured_on", (str, dict), default=None, nullable=True)
+    if isinstance(host, dict):
+        where = fields.section("measured_on")
+        where.reject_unknown(MEASURED_ON_FIELDS)
+        if not str(where.get("gpu", str)).strip():
+            raise where.fail("gpu", "must name the GPU the figures were measured on")
+        where.get("gpu_count", int, default=None, nullable=True)
+    figures = fields.get("figures", dict, default={}, nullable=True)
+    if figures and not host:
+        raise fields.fail("figures", "holds figures but benchmark.measured_on does not name the host they were "
+                          "measured on (gpu, gpu_count, driver, vllm, with the date); figures the twin predicted "
+                          "belong under benchmark.predicted")
     if "predicted" in fields.data:
         predicted = fields.section("predicted")
         predicted.reject_unknown(PREDICTED_FIELDS)
