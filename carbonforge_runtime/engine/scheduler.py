@@ -441,6 +441,10 @@ class _CarbonForgeMixin:
             if waiting.request_id not in self._cf_live:
                 self._cf_live[waiting.request_id] = _Live(waiting)
             queue.add_request(waiting)
+        for running in self.running:  # the tenants already served count for the prompt budgets too
+            params = running.sampling_params
+            tenant, _, share = tenancy_of(params.extra_args if params is not None else None)
+            self._cf_ledger.shares.setdefault(tenant, share)
         self.waiting = queue
         log.info("CarbonForge scheduler: requests of several tenants or priority classes: the waiting queue "
                  "now orders by priority class%s, then %s order",
@@ -515,7 +519,7 @@ class _CarbonForgeMixin:
         entered = time.monotonic() if steps is not None or pacer is not None else 0.0
         budgets = self._cf_prefill_left
         fairness = self._cf_ledger.fairness
-        if fairness.on and fairness.prefill_tokens and len(self._cf_ledger.counters) > 1:
+        if fairness.on and fairness.prefill_tokens and len(self._cf_ledger.shares) > 1:
             self._cf_cap_prefill(budgets)
         try:
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]

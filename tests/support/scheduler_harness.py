@@ -28,6 +28,8 @@ class Engine:
         self.scheduler = make_scheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=som,
                                         block_size=BLOCK, log_stats=False)
         self.tokenizer = som.tokenizer
+        #: Every request added, by engine id (vLLM forgets finished ones).
+        self.added: dict[str, Any] = {}
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 2, arrival: float | None = None,
             **sampling: Any) -> Any:
@@ -37,6 +39,7 @@ class Engine:
         request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **sampling), None,
                           arrival_time=arrival if arrival is not None else time.time(), block_hasher=self.hasher)
         self.scheduler.add_request(request)
+        self.added[rid] = request
         return request
 
     def step(self, token: int = 7) -> tuple[Any, dict[int, Any]]:

@@ -168,3 +168,140 @@ def test_the_twin_with_one_tenant_named_gives_the_untagged_results() -> None:
                       for r in flood(False)], twin(family="ltr-promptlen"), FLAT)
     assert [(o.scheduled_s, o.completion_s) for o in plain.outcomes] == [
         (o.scheduled_s, o.completion_s) for o in named.outcomes]
+
+
+# -- the prompt budget of a tenant over its share (core/ordering/prefill_budget.py) ------------------------
+
+
+def prompt_tokens_by_tenant(engine: Engine, out: Any) -> dict[str, int]:
+    """Prompt tokens each tenant had computed in the step ``out`` scheduled (decodes left out)."""
+    by: dict[str, int] = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        request = engine.added[rid]
+        if request.num_computed_tokens - n < request.num_prompt_tokens:  # the chunk started in the prompt
+            tenant = rid.split("-")[1].rstrip("0123456789")
+            by[tenant] = by.get(tenant, 0) + n
+    return by
+
+
+def flood_beside_a_decoding_tenant(engine: Engine) -> list[tuple[dict[str, int], list[str], list[str]]]:
+    """``steady`` decodes a 60-token answer; then ``flood`` sends six 300-token prompts for 100-token
+    answers (so the flood keeps more requests running than steady until steady is done). Per step: the
+    prompt tokens by tenant, the requests scheduled and those admitted."""
+    now = time.time()
+    engine.add("chatcmpl-steady0-00000000", prompt(100, 1), max_tokens=60, arrival=now, **tag("steady"))
+    steps = []
+    out, _ = engine.step()
+    steps.append((prompt_tokens_by_tenant(engine, out), list(out.num_scheduled_tokens),
+                  [n.req_id for n in out.scheduled_new_reqs]))
+    for i in range(6):
+        engine.add(f"chatcmpl-flood{i}-00000000", prompt(300, 1000 + 400 * i), max_tokens=100,
+                   arrival=now + 0.01 * (i + 1), **tag("flood"))
+    for _ in range(300):
+        if not engine.scheduler.has_requests():
+            break
+        out, _ = engine.step()
+        steps.append((prompt_tokens_by_tenant(engine, out), list(out.num_scheduled_tokens),
+                      [n.req_id for n in out.scheduled_new_reqs]))
+    return steps
+
+
+def test_a_tenant_over_its_share_gets_at_most_its_prompt_budget_per_step(
+        vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    # the hook is a method of vLLM 0.32's scheduler; if vLLM renames it, nothing below is capped
+    assert callable(getattr(Scheduler, "_reserve_prefill_lookahead", None))
+    configure(monkeypatch, None, params={"fair_prefill_tokens": 48})
+    engine = Engine(vllm_parts, max_num_seqs=8)
+    steps = flood_beside_a_decoding_tenant(engine)
+    assert steps[0][0] == {"steady": 100}
+    # the flood's first step: nobody of it was running yet, so it was not over its share (512-token budget)
+    assert steps[1][0]["flood"] == 511
+    capped = [s for s in steps[2:] if "chatcmpl-steady0-00000000" in s[1]]
+    assert len(capped) > 10
+    flood_prompt = [s[0].get("flood", 0) for s in capped]
+    # from then on, while steady runs, at most 48 of the flood's prompt tokens per step, and the cap binds
+    assert max(flood_prompt) == 48
+    assert flood_prompt.count(48) >= 10
+    # steady decodes in every step (decode tokens are never capped)
+    assert all("chatcmpl-steady0-00000000" in s[1] for s in steps[:len(capped) + 2])
+    # every flood request is served in the end
+    assert sorted(a for s in steps for a in s[2]) == sorted(
+        ["chatcmpl-steady0-00000000"] + [f"chatcmpl-flood{i}-00000000" for i in range(6)])
+    assert engine.scheduler._cf_prefill_left == {}  # the budgets live for one step only
+
+
+def test_without_the_cap_the_flood_takes_whole_steps(vllm_parts: dict[str, Any],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    configure(monkeypatch, None, params={"fair_prefill_tokens": 0})
+    engine = Engine(vllm_parts, max_num_seqs=8)
+    steps = flood_beside_a_decoding_tenant(engine)
+    assert max(s[0].get("flood", 0) for s in steps[2:]) > 48 * 4
+
+
+def test_one_tenant_is_never_capped(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    configure(monkeypatch, None, family="ltr-promptlen", params={"fair_prefill_tokens": 16})
+    engine = Engine(vllm_parts, max_num_seqs=8)
+    now = time.time()
+    for i in range(4):
+        engine.add(f"chatcmpl-flood{i}-00000000", prompt(300, 1000 + 400 * i), max_tokens=2,
+                   arrival=now + 0.01 * i, **tag("flood"))
+    out, _ = engine.step()
+    assert prompt_tokens_by_tenant(engine, out) == {"flood": 512}  # vLLM's whole token budget
+    out, _ = engine.step()
+    assert prompt_tokens_by_tenant(engine, out)["flood"] > 16
+
+
+def test_a_newcomer_is_admitted_in_the_step_where_the_floods_budget_is_spent(
+        vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # only output tokens are charged, so steady (decoding since long before the flood) is the more served
+    configure(monkeypatch, None, family="ltr-promptlen",
+              params={"aging_rate": 0, "fair_prefill_tokens": 32, "fair_prompt_weight": 0})
+    engine = Engine(vllm_parts, max_num_seqs=8)
+    now = time.time()
+    engine.add("chatcmpl-steady0-00000000", prompt(100, 1), max_tokens=60, arrival=now, **tag("steady"))
+    for _ in range(20):
+        engine.step()
+    for i in range(6):
+        engine.add(f"chatcmpl-flood{i}-00000000", prompt(300, 1000 + 400 * i), max_tokens=100,
+                   arrival=now + 0.01 * (i + 1), **tag("flood"))
+    engine.step()  # flood0 and most of flood1 (nobody of the flood running yet: no cap)
+    engine.step()  # the flood is over its share: 32 tokens of flood1's prompt, then no admission
+    engine.add("chatcmpl-steady1-00000000", prompt(40, 3000), max_tokens=2, arrival=now + 1.0, **tag("steady"))
+    # outside a step nobody is capped: the least-served tenant, the flood, would be admitted next
+    assert engine.scheduler.waiting.peek_request().request_id.startswith("chatcmpl-flood")
+    out, _ = engine.step()
+    # in the step the flood's budget is spent on its running prompt, so steady1 goes in instead of nobody
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["chatcmpl-steady1-00000000"]
+    assert prompt_tokens_by_tenant(engine, out) == {"flood": 32, "steady": 40}
+
+
+#: A step costs at least 40 ms and 0.3 ms a token beyond that (the shape of the shipped GPU models).
+KNEE = StepCostModel(name="knee", version=1, gpu="test", tensor_parallel_size=1, floor_ms=40.0,
+                     per_batched_token_ms=0.3, per_kv_token_read_ms=0.0, attention_ms=0.0, overhead_ms=0.0,
+                     kv_capacity_tokens=64_000, provenance="test")
+
+
+def prompt_flood() -> list[SimRequest]:
+    reqs = [SimRequest(i, i * 0.02, 600, 40, tenant="flood") for i in range(200)]
+    reqs += [SimRequest(200 + i, 1.0 + 2.0 * i, 50, 100, tenant="steady") for i in range(8)]
+    return sorted(reqs, key=lambda r: r.arrival_s)
+
+
+def steady_time_per_token(run: Any) -> float:
+    mine = [o for o in run.outcomes if o.tenant == "steady"]
+    assert len(mine) == 8 and all(o.completion_s is not None for o in mine)
+    return sum((o.completion_s - o.first_token_s) / (o.generated_tokens - 1) for o in mine) / len(mine)
+
+
+def test_on_the_twin_the_prompt_budget_keeps_a_steady_tenants_decode_fast_beside_a_prompt_flood() -> None:
+    settings = dict(max_num_seqs=16, max_num_batched_tokens=2048, kv_tokens=64_000)
+    capped = run_twin(prompt_flood(), twin(params={}, **settings), KNEE)
+    uncapped = run_twin(prompt_flood(), twin(params={"fair_prefill_tokens": 0}, **settings), KNEE)
+    # uncapped, most steps carry the flood's prompts; capped, they carry at most 128 of its tokens
+    assert steady_time_per_token(uncapped) > 0.08  # 90 ms: twice the floor
+    assert steady_time_per_token(capped) < 0.6 * steady_time_per_token(uncapped)  # 42 ms
+    # the same work, and no slower: the flood's chunks fill decode steps that cost the floor anyway
+    assert capped.prefill_tokens == uncapped.prefill_tokens
+    assert capped.makespan_s <= uncapped.makespan_s * 1.02
