@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from carbonforge_runtime.core.contract import Emulation
@@ -124,6 +125,23 @@ def emulation_contract(options: EmulateOptions) -> Emulation:
                      per_batched_token_ms=model.per_batched_token_ms, per_kv_token_read_ms=model.per_kv_token_read_ms,
                      attention_ms=model.attention_ms, overhead_ms=model.overhead_ms, slowdown=options.slowdown,
                      late_share_warning=LATE_SHARE_LIMIT)
+
+
+#: What marks the paced engine's shutdown summary and its warning in the engine log
+#: (:mod:`carbonforge_runtime.engine.pacing` writes them).
+SUMMARY_MARK = "steps ran late"
+NOT_FAITHFUL_MARK = "emulated run NOT FAITHFUL"
+
+
+def emulation_report(engine_log_tail: Sequence[str]) -> list[tuple[str, str]]:
+    """(level, text) of the paced engine's last summary and not-faithful warning in the tail of its
+    log, without vLLM's prefix, for the runtime's own log at the end of a serve."""
+    found: dict[str, str] = {}
+    for line in engine_log_tail:
+        for level, mark in (("info", SUMMARY_MARK), ("warning", NOT_FAITHFUL_MARK)):
+            if mark in line and "emulated" in line:
+                found[level] = line[line.index("emulated"):].strip()
+    return [(level, found[level]) for level in ("info", "warning") if level in found]
 
 
 def describe_emulation(original: Recipe, options: EmulateOptions) -> list[str]:

@@ -41,7 +41,7 @@ from carbonforge_runtime.runtime.group.placement import Group
 from carbonforge_runtime.runtime.group.secret import read_group_secret
 from carbonforge_runtime.runtime.licensing.watch import watch_licence
 from carbonforge_runtime.runtime.planning.command import LaunchPlan
-from carbonforge_runtime.runtime.planning.emulate import EmulateOptions, check_slowdown
+from carbonforge_runtime.runtime.planning.emulate import EmulateOptions, check_slowdown, emulation_report
 from carbonforge_runtime.runtime.planning.plan import (
     ServeOptions,
     ServePlan,
@@ -50,6 +50,7 @@ from carbonforge_runtime.runtime.planning.plan import (
     describe_plan,
     model_source,
 )
+from carbonforge_runtime.runtime.process.exit_report import log_tail
 from carbonforge_runtime.runtime.process.startup_phases import repo_cache_folder
 from carbonforge_runtime.runtime.process.supervisor import GroupHooks
 from carbonforge_runtime.runtime.serve import address as serve_address
@@ -398,6 +399,9 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
             stop=stop,
             group=group,
         )
+        if contract is not None and contract.emulation is not None:  # the paced engine's verdict, here too
+            for level, line in emulation_report(log_tail(engine.log_path, 200)):
+                (logger.warning if level == "warning" else logger.info)(line)
     finally:  # every way out (stop signal, engine death, exception) puts the GPUs back as found
         if group is not None:  # the leader tells its workers to stop; a worker leaves the group
             group.close()

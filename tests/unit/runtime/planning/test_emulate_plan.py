@@ -16,7 +16,13 @@ from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.gpu.fake import FakeGpuBackend, host
 from carbonforge_runtime.recipes import Recipe, load_recipes, recipe_dirs
 from carbonforge_runtime.runtime.planning.command import BUILTIN_STRUCTURED_OUTPUTS
-from carbonforge_runtime.runtime.planning.emulate import EmulateOptions, cpu_block_size, emulated_recipe, kv_blocks
+from carbonforge_runtime.runtime.planning.emulate import (
+    EmulateOptions,
+    cpu_block_size,
+    emulated_recipe,
+    emulation_report,
+    kv_blocks,
+)
 from carbonforge_runtime.runtime.planning.plan import ServeOptions, build_plan
 from carbonforge_runtime.runtime.vllm_cli.args import read
 from carbonforge_runtime.settings import load_settings
@@ -96,6 +102,18 @@ def test_misuse_is_one_line_with_the_fix_and_exit_2(args: list[str], fragment: s
     assert result.exit_code == 2, result.output
     assert fragment in result.output and "fix:" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_engines_verdict_is_found_in_its_log() -> None:
+    summary = ("emulated: the real engine paced to step-time model a100-80-tp1 v1, a proxy; 2.00% of 300 steps late "
+               "(over 1%: not faithful); slowdown 1; 6 of 300 steps ran late, worst 3.10x its modelled time")
+    warning = "emulated run NOT FAITHFUL: 6 of 300 steps (2.0%, over 1%) took longer ..."
+    tail = ["(EngineCore pid=7) WARNING 12-05 11:46:25 [pacing.py:170] " + warning.replace("300", "200"),
+            "(EngineCore pid=7) INFO 12-05 11:47:07 [pacing.py:185] " + summary,
+            "(EngineCore pid=7) WARNING 12-05 11:47:07 [pacing.py:187] " + warning,
+            "(APIServer pid=6) INFO 12-05 11:47:08 [launcher.py:1] Shutting down"]
+    assert emulation_report(tail) == [("info", summary), ("warning", warning)]
+    assert emulation_report(tail[-1:]) == []
 
 
 def test_build_plan_refuses_emulate_without_its_model() -> None:
