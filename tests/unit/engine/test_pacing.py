@@ -64,7 +64,7 @@ def engine_log() -> Iterator[Captured]:
 
 
 def paced_engine(parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, clock: Clock, steps: Path,
-                 emulation: Emulation = MODEL) -> Engine:
+                 emulation: Emulation = MODEL, async_scheduling: bool = False) -> Engine:
     contract = EngineContract(Ordering("fcfs", {}), None, emulation=emulation,
                               step_log=StepLogConfig(file=str(steps), flush_timeout_s=5.0))
     monkeypatch.setenv(CONTRACT_ENV, contract.to_json())
@@ -74,7 +74,7 @@ def paced_engine(parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, clock: 
     monkeypatch.setattr(pacing, "time", types.SimpleNamespace(monotonic=clock, sleep=clock.sleep))
     monkeypatch.setattr(pacing, "sleep_holding_gil", clock.sleep)
     monkeypatch.setattr(pacing, "quiet_workers", lambda log: None)  # no worker processes here
-    return Engine(parts, max_num_seqs=4)  # 512 tokens a step
+    return Engine(parts, max_num_seqs=4, async_scheduling=async_scheduling)  # 512 tokens a step
 
 
 def step(engine: Engine, clock: Clock, forward_s: float) -> Any:
@@ -129,6 +129,40 @@ def test_the_slowdown_stretches_every_step(vllm_parts: dict[str, Any], monkeypat
     engine.scheduler.shutdown()
     assert clock.sleeps == [0.08, 0.005, 0.019, 0.005, 0.019, 0.005]
     assert walls(tmp_path / "steps.jsonl") == [0.09, 0.03, 0.03]
+
+
+def test_with_asynchronous_scheduling_a_step_starts_where_the_previous_one_ended(
+        vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """vLLM's AsyncScheduler schedules step k+1 before step k's output is applied: k+1's period starts
+    at k's end, not at its scheduling."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    clock = Clock()
+    engine = paced_engine(vllm_parts, monkeypatch, clock, tmp_path / "steps.jsonl", async_scheduling=True)
+    scheduler = engine.scheduler
+    assert type(scheduler).__name__ == "CarbonForgeAsyncScheduler"
+    engine.add("a", list(range(1, 301)), max_tokens=3)
+    engine.add("b", list(range(1001, 1301)), max_tokens=2)
+
+    def schedule() -> tuple[Any, Any]:
+        out = scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in ids]
+        return out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                      sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                      pooler_output=[])
+
+    inflight = schedule()
+    for _ in range(3):
+        clock.now += 0.002
+        following = schedule()  # scheduled while the previous step runs
+        clock.now += 0.002
+        scheduler.update_from_output(*inflight)
+        inflight = following
+    scheduler.shutdown()
+    # 512 tokens (51.2 ms) from its scheduling; then 89 and 2 tokens (10 ms each) from the previous end.
+    assert clock.sleeps == [0.0422, 0.005, 0.001, 0.005, 0.001, 0.005]
+    assert walls(tmp_path / "steps.jsonl") == [0.0512, 0.01, 0.01]
 
 
 def test_idle_time_is_in_no_step(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -186,6 +220,22 @@ def test_a_few_late_steps_are_counted_without_the_warning(vllm_parts: dict[str, 
     expected = ("emulated: the real engine paced to step-time model test-model v1, not a proxy; 0.33% of 300 steps "
                 "late; slowdown 1; 1 of 300 steps ran late, worst 1.30x its modelled time")
     assert ("INFO", expected) in engine_log.lines
+
+
+def test_a_wait_sleeps_its_last_part_apart_and_a_past_deadline_not_at_all() -> None:
+    clock = Clock()
+    finals: list[float] = []
+
+    def final(seconds: float) -> None:
+        finals.append(round(seconds, 9))
+        clock.now += seconds
+
+    pacing.wait_until(clock.now + 0.1, clock, clock.sleep, final)
+    pacing.wait_until(clock.now + 0.003, clock, clock.sleep, final)
+    pacing.wait_until(clock.now - 0.5, clock, clock.sleep, final)
+    assert (clock.sleeps, finals) == ([0.095], [0.005, 0.003])
+    assert pacing._USLEEP is not None  # Linux: the final part keeps the interpreter lock
+    pacing.sleep_holding_gil(0.0)
 
 
 def test_lateness_and_period_start_are_plain_functions() -> None:
