@@ -11,9 +11,10 @@ with a ``tenant`` and a ``priority`` field and read back through ``sim``'s own r
   tenant ``steady`` at 0.2 x C, both for ``--seconds`` of virtual time (same mix of sizes); then
   both stop and the engine drains. Three runs: ``steady`` alone; both under FCFS (``fcfs`` with
   ``fairness: off``: vLLM's own queue); both under the tenant fairness (``fcfs`` with the default
-  ``fairness: vtc``). Reported: the steady tenant's p50 / p99 end-to-end latency, and the flooding
-  tenant's throughput (its completed requests and output tokens per second from the first arrival
-  to its last completion). Targets: steady p99 under VTC within 1.5 x of its p99 alone; flood
+  ``fairness: vtc``, which includes the step's prompt budget, ``fair_prefill_tokens`` 128).
+  Reported: the steady tenant's p50 / p99 end-to-end latency, and the flooding tenant's throughput
+  (its completed requests and output tokens per second from the first arrival to its last
+  completion). Targets: steady p99 under VTC within 1.5 x of its p99 alone; flood
   throughput under VTC within 5% of FCFS's.
 * **Priority.** Class 1 (``interactive``) sends Poisson traffic at 0.3 x C with short answers;
   class 0 (``batch``) sends bursts: every 60 s, 30 s worth of capacity at once, which saturates the
