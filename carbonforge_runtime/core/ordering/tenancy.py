@@ -22,6 +22,10 @@ next request to admit in three steps (:func:`pick_fair`):
    (score, ties to the earlier arrival, and the tenant's requests past the wait bound first, oldest
    first): ``ltr-promptlen`` still orders inside a tenant's turn.
 
+Admission order cannot shorten the engine's steps; :mod:`.prefill_budget` caps the prompt tokens
+per step of a tenant holding more than its fair part of the running batch (``fair_prefill_tokens``),
+so that its prompts do not stretch every other tenant's decode.
+
 Between tenants of one class the fair share, not the wait bound, decides: under overload every
 request of a tenant that sends more than its share ends up past any bound, and serving those first
 would hand the engine back to whoever sends the most. No tenant starves all the same: a tenant
