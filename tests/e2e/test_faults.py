@@ -2,9 +2,9 @@
 and a free port; a drain that runs out of time still ends every request in exactly one record; a
 dead proxy in the environment does not stop readiness nor the image's healthcheck.
 
-Override mode (a model path after the double dash, CF_CONTEXT_KEY set and ignored) serves and stops
-cleanly; the drain that runs out has a fresh override-mode engine of its own (on an engine that has
-served already, the long requests can finish before the signal). The SIGKILL while the engine initialises needs
+The drain that runs out has a fresh override-mode engine of its own (on an engine that has served
+already, the long requests can finish before the signal); override mode's plain serve and stop are
+checked on the OTLP HTTP engine of tests/e2e/test_tracing.py. The SIGKILL while the engine initialises needs
 an engine of its own; the SIGKILLs while serving under load and while draining end two of the
 ordering engines (tests/e2e/test_ordering.py), whose checks are done by then. The helpers are
 tests/support/faults.py."""
@@ -30,7 +30,6 @@ import pytest
 
 from tests.support import REPO, TINY_KEY, RuntimeProcess, free_port, wait_until
 from tests.support.faults import assert_gone_after_sigkill, group_members, lower_engine_priority
-from tests.support.serving import chat_both_ways, stop_cleanly
 
 
 def test_sigkill_while_the_engine_initialises_leaves_nothing(tmp_path: Path) -> None:
@@ -62,20 +61,6 @@ def dead_proxy() -> Iterator[dict[str, str]]:
 #: The drain of the drain check's engine: its leftovers are ended 2 s after the signal (half the drain).
 DRAIN_S = 4
 OVERRIDE_NAME = "tiny-override"
-
-
-def test_override_mode_serves_the_given_model(tmp_path: Path, tiny_model: str) -> None:
-    """Override mode (a model path and vLLM flags after the double dash, CF_CONTEXT_KEY set and ignored)."""
-    args = ["--", tiny_model, "--served-model-name", OVERRIDE_NAME, "--dtype", "bfloat16",
-            "--max-model-len", "1024", "--shutdown-timeout", "5"]
-    runtime = RuntimeProcess(args, tmp_path, env={"CF_CONTEXT_KEY": TINY_KEY}).start()
-    try:
-        runtime.wait_ready()
-        assert "CF_CONTEXT_KEY is ignored" in runtime.output()
-        chat_both_ways(runtime.base_url, OVERRIDE_NAME)
-        stop_cleanly(runtime, drain_s=5)
-    finally:
-        runtime.kill()
 
 
 @dataclass

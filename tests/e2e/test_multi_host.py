@@ -178,8 +178,13 @@ def test_a_sigterm_to_the_leader_stops_the_whole_group(tmp_path: Path) -> None:
         worker.kill()
 
 
+#: The join timeout of the group whose worker never starts: long enough for the leader's vLLM to be up
+#: and waiting for rank 1 when it runs out.
+JOIN_S = 12
+
+
 def test_a_worker_that_never_starts_stops_the_leader_naming_the_rank(tmp_path: Path) -> None:
-    leader, _ = group_members(tmp_path, join_timeout_s=30)
+    leader, _ = group_members(tmp_path, join_timeout_s=JOIN_S)
     leader.start()
     try:
         assert wait_until(lambda: leader.says("group: watching 1 worker(s)"), 60), leader.output()
@@ -187,11 +192,11 @@ def test_a_worker_that_never_starts_stops_the_leader_naming_the_rank(tmp_path: P
         time.sleep(5)  # vLLM's processes are up, waiting for rank 1
         leader.known_children = descendants(leader.proc.pid)  # type: ignore[union-attr]
         assert leader.known_children
-        code = leader.wait(timeout_s=30 + 25)  # the join timeout, then the engine's stop grace
+        code = leader.wait(timeout_s=JOIN_S + 25)  # the join timeout, then the engine's stop grace
         assert code == 1, leader.output()
-        assert time.monotonic() - watching_at < 30 + 25
+        assert time.monotonic() - watching_at < JOIN_S + 25
         out = leader.output()
-        assert "worker rank 1 of the group did not join within 30 s" in out, out[-3000:]
+        assert f"worker rank 1 of the group did not join within {JOIN_S} s" in out, out[-3000:]
         assert not leader.leftover_children()
     finally:
         leader.kill()

@@ -1,15 +1,24 @@
 """End to end: the runtime launches the real vLLM CPU engine; the real openai client talks to it.
 
 One engine, the plain default, serves every check that only reads (the serve itself, no metrics
-port); the SIGTERM stop comes last. The two engines that cannot start are
-their own runs. Override mode is checked on the drain engine in test_faults.py; the context-key flag
-with extra vLLM flags and the engine's death on the command-line engine in test_command_line.py."""
+port, where it compiles to); the SIGTERM stop comes after them, then a second boot on the compile
+cache the first one filled. The two engines that cannot start are their own runs. Override mode is
+checked on the OTLP HTTP engine in test_tracing.py; the context-key flag with extra vLLM flags and
+the engine's death on the command-line engine in test_command_line.py.
+
+The compile cache: the shipped CPU recipes turn vLLM's AOT compilation off (``VLLM_USE_AOT_COMPILE=0``:
+the CPU build of vLLM 0.32 cannot load the artifact it saves). vLLM then hands the model to
+torch.compile, and Inductor keeps its graphs (``fxgraph/``, ``aotautograd/``) and the kernels it built
+(``*.so``) under ``TORCHINDUCTOR_CACHE_DIR``, which the runtime points into the compile cache
+directory. The first boot fills it; the second traces the model again, finds every graph and kernel
+there, and writes nothing."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,8 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
+from carbonforge_runtime.runtime.engine_env.compile_cache import CACHE_VARIABLES
 from tests.support import (
     REPO,
     TEST_RECIPES,
@@ -34,6 +45,8 @@ from tests.support.serving import chat_both_ways, stop_cleanly
 CPU_PHASES = ["launching processes", "loading weights", "compiling", "measuring memory for the KV cache",
               "starting the API server"]
 _PHASE_NAMES = "|".join([*CPU_PHASES, "downloading weights", "capturing CUDA graphs"])
+#: vLLM's CPU model runner, as it hands the model to torch.compile (v1/worker/cpu_model_runner.py).
+COMPILING = "Warming up model for the compilation"
 
 
 def assert_startup_phases(out: str) -> None:
@@ -60,19 +73,32 @@ def assert_startup_phases(out: str) -> None:
 class DefaultEngine:
     runtime: RuntimeProcess
     metrics_port: int
+    compile_cache: Path
+
+
+def tiny_serve(log_dir: Path, cache: Path, env: dict[str, str]) -> RuntimeProcess:
+    """A runtime with the tiny recipe compiling into ``cache``, as the recipe alone configures it."""
+    runtime = RuntimeProcess([], log_dir, env={"CF_CONTEXT_KEY": TINY_KEY, "CF_COMPILE_CACHE_DIR": str(cache), **env})
+    # An operator's value wins over the runtime's; the test process may hold some (importing torch
+    # sets TORCHINDUCTOR_CACHE_DIR in its own environment), so the engine must not inherit them.
+    for variable in CACHE_VARIABLES:
+        runtime.env.pop(variable.name, None)
+    runtime.env.pop("VLLM_USE_AOT_COMPILE")  # the shipped recipe's own setting is the one under test
+    return runtime.start()
 
 
 @pytest.fixture(scope="module")
 def default_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DefaultEngine]:
-    """The embedded default from CF_CONTEXT_KEY and no argument, as plain as a serve gets; the metrics
-    port is named, so that nothing listening there can be seen. Every test below only reads it; the
-    last one stops it."""
+    """The embedded default from CF_CONTEXT_KEY and no argument, as plain as a serve gets, on a compile
+    cache of its own; the metrics port is named, so that nothing listening there can be seen. The tests
+    below read it; the SIGTERM test stops it."""
     metrics_port = free_port()
-    runtime = RuntimeProcess([], tmp_path_factory.mktemp("default-engine"),
-                             env={"CF_CONTEXT_KEY": TINY_KEY, "CF_METRICS_PORT": str(metrics_port)}).start()
+    base = tmp_path_factory.mktemp("default-engine")
+    cache = base / "compile-cache"
+    runtime = tiny_serve(base / "first", cache, {"CF_METRICS_PORT": str(metrics_port)})
     try:
         runtime.wait_ready()
-        yield DefaultEngine(runtime, metrics_port)
+        yield DefaultEngine(runtime, metrics_port, cache)
     finally:
         runtime.kill()
 
@@ -100,11 +126,65 @@ def test_without_metrics_nothing_listens_on_the_metrics_port(default_engine: Def
     assert "metrics:" not in runtime.output()
 
 
+def test_the_engine_compiles_into_the_compile_cache(default_engine: DefaultEngine) -> None:
+    runtime, cache = default_engine.runtime, default_engine.compile_cache
+    env = engine_environment(runtime)
+    assert env["VLLM_CACHE_ROOT"] == str(cache / "vllm")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "torchinductor")
+    assert env["TRITON_CACHE_DIR"] == str(cache / "triton")
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"  # from the recipe
+    assert COMPILING in runtime.engine_log()
+
+
 def test_sigterm_stops_the_default_engine_cleanly(default_engine: DefaultEngine) -> None:
-    """Last: the stop every read above shared."""
+    """After the reads: the stop every read above shared."""
     runtime = default_engine.runtime
     stop_cleanly(runtime, drain_s=15)
     assert container_healthcheck(runtime) == 1
+
+
+def test_the_second_boot_finds_what_the_first_compiled(default_engine: DefaultEngine, tmp_path: Path) -> None:
+    """After the stop: a second boot on the compile cache the default engine filled."""
+    cache = default_engine.compile_cache
+    assert default_engine.runtime.proc is not None and default_engine.runtime.proc.poll() is not None
+    compiled = kernels(cache)
+    assert compiled, "the first boot left no compiled kernel in the cache"
+    inductor = cache / "torchinductor"
+    assert any((inductor / "fxgraph").rglob("*")), "the first boot left no compiled graph in the cache"
+    before = contents(cache)
+
+    second = tiny_serve(tmp_path / "second", cache, {})
+    try:
+        second.wait_ready()
+        assert COMPILING in second.engine_log()  # it compiles again, from the cache
+        # The model compiled from the cache serves.
+        client = openai.OpenAI(base_url=second.base_url, api_key="unused", timeout=120, max_retries=0)
+        response = client.chat.completions.create(model=TINY_SERVED_NAME, max_tokens=8,
+                                                  messages=[{"role": "user", "content": "Hello"}],
+                                                  extra_body={"ignore_eos": True})
+        assert response.usage is not None and response.usage.completion_tokens == 8
+        assert second.stop(signal.SIGTERM, timeout_s=90) == 0
+    finally:
+        second.kill()
+    assert kernels(cache) == compiled  # every kernel came from the cache: none was compiled again
+    # Nothing was added or rewritten: every graph came from the cache too.
+    assert contents(cache) == before
+
+
+def engine_environment(runtime: RuntimeProcess) -> dict[str, str]:
+    raw = Path(f"/proc/{runtime.engine_pid()}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def kernels(cache: Path) -> set[Path]:
+    """The compiled CPU kernels (shared objects torch Inductor built) in the cache."""
+    return {path.relative_to(cache) for path in cache.rglob("*.so")}
+
+
+def contents(cache: Path) -> dict[Path, tuple[int, int]]:
+    """Every file in the cache with its size and modification time."""
+    return {path.relative_to(cache): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in cache.rglob("*") if path.is_file() and "locks" not in path.relative_to(cache).parts}
 
 
 def container_healthcheck(runtime: RuntimeProcess) -> int:

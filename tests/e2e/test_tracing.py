@@ -7,7 +7,9 @@ Three engine sessions, each shared by the checks that need its configuration:
   requests, full-level text, request tags and the model name from every API, queueing under a
   burst, then sink faults (collector stopped, trace file replaced by a directory) and the drop
   accounting reported at shutdown;
-* override mode, level ``standard``, JSONL + OTLP/HTTP: the HTTP transport, then SIGTERM under load;
+* override mode (a model path and vLLM flags after the double dash, CF_CONTEXT_KEY set and ignored),
+  level ``standard``, JSONL + OTLP/HTTP: the HTTP transport, a plain and a streamed chat, then SIGTERM
+  under load, leaving no engine process;
 
 A level without a sink (one warning, tracing off, serving works) is checked on the default engine in
 test_serve.py.
@@ -30,9 +32,10 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support import TINY_SERVED_NAME, RuntimeProcess, wait_until
+from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, wait_until
 from tests.support.burst import send_burst
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.support.serving import chat_both_ways
 
 QUEUE_KEY = "cf-tiny-queue:bf16:chat:cpu"
 QUEUE_RECIPE = """\
@@ -387,10 +390,12 @@ def test_override_mode_http_export_and_sigterm_under_load(tmp_path: Path, tiny_m
              tiny_model, "--served-model-name", TINY_SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "2048",
              "--shutdown-timeout", "20"],
             tmp_path / "logs",
-            env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},  # the URL alone would mean gRPC
+            # the URL alone would mean gRPC; CF_CONTEXT_KEY is ignored in override mode
+            env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "CF_CONTEXT_KEY": TINY_KEY},
         ).start()
         try:
             runtime.wait_ready()
+            assert "CF_CONTEXT_KEY is ignored" in runtime.output()
             assert f"request trace: standard -> file {trace}, OTLP http/protobuf http://127.0.0.1:{receiver.port}" \
                    f"/v1/traces" in runtime.output()
             assert "CarbonForge scheduler on vLLM Scheduler: family fcfs" in runtime.engine_log()
@@ -407,6 +412,7 @@ def test_override_mode_http_export_and_sigterm_under_load(tmp_path: Path, tiny_m
             assert {sp.attributes["cf.request_id"] for sp in spans} == set(by_id)
             for span in spans:
                 check_span(span, by_id[span.attributes["cf.request_id"]], full=False)
+            chat_both_ways(runtime.base_url, TINY_SERVED_NAME)  # the name given after the double dash
 
             # SIGTERM under a load of 32: short requests complete around the signal, long ones are in flight
             pool = ThreadPoolExecutor(max_workers=32)
@@ -421,6 +427,9 @@ def test_override_mode_http_export_and_sigterm_under_load(tmp_path: Path, tiny_m
             code = runtime.stop(signal.SIGTERM, timeout_s=120)
             # vLLM drains in-flight requests within --shutdown-timeout, then the runtime exits cleanly.
             assert code == 0, runtime.output()
+            left = runtime.leftover_children()
+            assert left == set(), "engine processes survived the runtime:\n" + runtime.describe(left)
+            assert "vLLM stopped" in runtime.output()
             complete: list[Answer] = []
             for i, future in futures.items():
                 try:
