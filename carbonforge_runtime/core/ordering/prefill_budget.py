@@ -47,8 +47,10 @@ def over_share(running: Mapping[str, int], shares: Mapping[str, float]) -> set[s
     total_running = sum(running.get(tenant, 0) for tenant in shares)
     if total_share <= 0 or total_running <= 0:
         return set()
+    # running / total_running > share / total_share, cross-multiplied, with room for rounding so
+    # that tenants exactly at their part (in exact arithmetic) are never over
     return {tenant for tenant, share in shares.items()
-            if running.get(tenant, 0) > total_running * share / total_share}
+            if running.get(tenant, 0) * total_share > total_running * share * (1 + 1e-9)}
 
 
 def prefill_budgets(running: Mapping[str, int], shares: Mapping[str, float], cap: int) -> dict[str, int]:

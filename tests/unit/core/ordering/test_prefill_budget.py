@@ -53,6 +53,9 @@ def test_nobody_is_over_an_empty_batch() -> None:
 
 def test_tenants_at_exactly_their_part_are_not_capped() -> None:
     assert over_share({"a": 4, "b": 4}, {"a": 1.0, "b": 1.0}) == set()
+    # shares whose quotient rounds below the part in floating point
+    assert over_share({"a": 7, "b": 7}, {"a": 5.413782570073206, "b": 5.413782570073206}) == set()
+    assert over_share({"a": 1, "b": 2}, {"a": 0.1, "b": 0.2}) == set()
 
 
 def test_shares_set_the_fair_parts() -> None:
