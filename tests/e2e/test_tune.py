@@ -45,7 +45,7 @@ def tuned_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TunedEngi
     tuned = subprocess.run(
         [sys.executable, "-m", "carbonforge_runtime", "tune", str(trace), "--context-key", TINY_KEY,
          "--goal", "mean_e2e", "--cost-model", "a100-80-tp1", "--kv-tokens", "16384", "--load", "1.5",
-         "--budget", "8", "--jobs", "2", "-o", str(result_path), "--write", str(recipes), "-q"],
+         "--budget", "8", "--jobs", "1", "-o", str(result_path), "--write", str(recipes), "-q"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert tuned.returncode == 0, tuned.stdout + tuned.stderr
     document = json.loads(result_path.read_text())
