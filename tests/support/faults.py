@@ -84,7 +84,8 @@ def sigkill_under_load(runtime: RuntimeProcess, moment: str) -> None:
         lower_engine_priority(runtime)
         pool, futures = long_requests(runtime, 6, max_tokens=1500)
         time.sleep(2.0)  # the requests are running
-        assert not any(f.done() for f in futures), "the load ended before the kill"
+        ended = [f.exception() or f.result() for f in futures if f.done()]
+        assert not ended, f"the load ended before the kill: {ended!r}"
         if moment == "draining":
             assert runtime.proc is not None
             runtime.proc.send_signal(signal.SIGTERM)
