@@ -52,6 +52,23 @@ class Engine:
                                    prompt_logprobs_dict={}, pooler_output=[])
         return out, self.scheduler.update_from_output(out, runner)
 
+    def timed_step(self, clock: Any, forward_s: float, host_s: float) -> Any:
+        """One synchronous step on a fake clock (an object with a ``now`` in seconds): the forward pass
+        takes ``forward_s``, the host work after the output ``host_s``; a request part-way through its
+        prompt samples nothing. The step's ``SchedulerOutput``."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        scheduler = self.scheduler
+        out = scheduler.schedule()
+        clock.now += forward_s
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in ids]
+        runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                   sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+        scheduler.update_from_output(out, runner)
+        clock.now += host_s
+        return out
+
     def run(self, steps: int = 50, token: int = 7) -> list[list[str]]:
         """Step until idle; the engine ids admitted at each step."""
         admitted = []

@@ -79,18 +79,7 @@ def paced_engine(parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, clock: 
 
 def step(engine: Engine, clock: Clock, forward_s: float) -> Any:
     """One synchronous engine step whose forward pass takes ``forward_s`` on this machine."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    scheduler = engine.scheduler
-    out = scheduler.schedule()
-    clock.now += forward_s
-    ids = list(out.num_scheduled_tokens)
-    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in ids]
-    runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                               sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
-    scheduler.update_from_output(out, runner)
-    clock.now += HOST_S
-    return out
+    return engine.timed_step(clock, forward_s, HOST_S)
 
 
 def drain(engine: Engine, clock: Clock, forward_s: float) -> None:

@@ -29,19 +29,9 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def _step(engine: Engine, clock: FakeClock, forward_s: float) -> Any:
-    """One synchronous engine step: a request part-way through its prompt samples nothing."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    scheduler = engine.scheduler
-    out = scheduler.schedule()
-    clock.now += forward_s
-    ids = list(out.num_scheduled_tokens)
-    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in ids]
-    runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                               sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
-    scheduler.update_from_output(out, runner)
-    clock.now += 0.001  # between steps: part of the next step if requests are left, else idle
-    return out
+    """One synchronous engine step; 1 ms of host work after it: part of the next step if requests are
+    left, else idle."""
+    return engine.timed_step(clock, forward_s, 0.001)
 
 
 def test_step_log_counts_a_chunked_prefill_by_hand(vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
