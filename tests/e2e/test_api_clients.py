@@ -30,18 +30,9 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants
+from tests.support.serving import ASK, WEATHER_SCHEMA, WEATHER_TOOL
 
 API_KEY = "cf-test-key-8d1f0c5e2b"
-WEATHER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
-                                                                         "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-WEATHER_TOOL: Any = {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city.",
-                                                      "strict": True, "parameters": WEATHER_SCHEMA}}
-ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
 # Thinking on (the default effort) costs the tiny recipe's budget of 8 tokens first.
 ROOM = 600
 

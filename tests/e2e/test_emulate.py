@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from carbonforge_runtime.core.step_models import shipped_models
 from carbonforge_runtime.core.twin_data import step_time_s
 from tests.support import RuntimeProcess, free_port
+from tests.support.serving import ASK, WEATHER_SCHEMA, WEATHER_TOOL
 
 KEY = "qwen3-32b:fp8:chat:a100-80x1"
 SERVED = "Qwen/Qwen3-32B-FP8"
@@ -35,16 +36,6 @@ API_KEY = "cf-emulate-key-5b7e91"
 #: server then stay well inside each step.
 SLOWDOWN = 4.0
 NO_THINKING: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": False}}
-WEATHER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-WEATHER_TOOL: Any = {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city.",
-                                                      "strict": True, "parameters": WEATHER_SCHEMA}}
-ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
 
 
 class Session:

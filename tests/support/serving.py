@@ -1,13 +1,28 @@
-"""Checks that several end-to-end tests make on a serving runtime: a chat both ways, a clean stop."""
+"""Checks that several end-to-end tests make on a serving runtime: a chat both ways, a clean stop; and
+the bounded tool schema the structured-output tests ask for."""
 
 from __future__ import annotations
 
 import signal
 import time
+from typing import Any
 
 import openai
 
 from tests.support import RuntimeProcess
+
+#: A bounded schema (string length, number range): the random built-in model's structured output
+#: stays valid against it (docs/emulate.md).
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL: Any = {"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city.",
+                                                      "strict": True, "parameters": WEATHER_SCHEMA}}
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next three days?"}]
 
 
 def chat_both_ways(base_url: str, model: str) -> None:
