@@ -149,7 +149,6 @@ def main() -> int:
     if args.write and args.limit is not None:
         parser.error("--write records whole traces: drop --limit")
     pin_hash_seed()
-    from carbonforge_runtime.core.step_models import resolve_model
     from carbonforge_runtime.recipes import load_recipes, recipe_dirs
 
     loaded = load_recipes(recipe_dirs(None))
@@ -193,7 +192,7 @@ def main() -> int:
     for recipe, trace in plan:
         key = recipe.key_text
         rows, cap = results[key], capacities[key]
-        model = resolve_model(None, recipe.key.hardware.family, int(recipe.vllm.get("tensor_parallel_size", 1) or 1))
+        model = recipe.step_model()
         chosen, shipped = best(rows), shipped_label(recipe)
         block = predicted_block(recipe, trace, cap, args.load, rows, model, args.limit is None)
         out["recipes"][key] = {"trace": trace.name, "capacity": cap, "best": chosen, "shipped": shipped,

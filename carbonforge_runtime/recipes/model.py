@@ -10,6 +10,8 @@ from typing import Any
 
 from carbonforge_runtime.core.api_contract import EFFORTS
 from carbonforge_runtime.core.ordering.registry import FAMILIES, check_family
+from carbonforge_runtime.core.step_models import resolve_model
+from carbonforge_runtime.core.twin_data import StepCostModel
 from carbonforge_runtime.errors import RecipeError, UsageError
 from carbonforge_runtime.recipes.keys import ContextKey, parse_context_key
 from carbonforge_runtime.recipes.vllm_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -154,6 +156,14 @@ class Recipe:
     @property
     def is_premium(self) -> bool:
         return self.plan == "premium"
+
+    def step_model(self, choice: str | None = None) -> StepCostModel:
+        """The step-time model of this recipe: ``choice`` (``--cost-model``: a shipped name or a YAML
+        file), else the shipped model of its GPU at its tensor-parallel size (none for a CPU recipe:
+        the error names the fix)."""
+        hardware = self.key.hardware
+        tp = int(self.vllm.get("tensor_parallel_size", 1) or 1)
+        return resolve_model(choice, None if hardware.is_cpu else hardware.family, tp)
 
 
 class _Fields:

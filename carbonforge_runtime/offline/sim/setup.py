@@ -114,7 +114,6 @@ def refused(requests: list[SimRequest], twin: TwinSettings) -> dict[int, str]:
 def prepare(inputs: TwinInputs) -> Prepared:
     """Read the recipe, the step-time model and the trace, and check every option, before any run."""
     from carbonforge_runtime.core.ordering.registry import make_family
-    from carbonforge_runtime.core.step_models import resolve_model
     from carbonforge_runtime.offline.sim.inputs import load_trace, window
     from carbonforge_runtime.recipes import resolve
     from carbonforge_runtime.recipes.loader import load_recipes, recipe_dirs
@@ -127,9 +126,7 @@ def prepare(inputs: TwinInputs) -> Prepared:
     params = dict(recipe.scheduler.params) if inputs.family is None else {}
     params.update(inputs.params or {})
     make_family(family, params)  # refuses an unknown family or bad parameters now, with the fix
-    hardware = recipe.key.hardware
-    tp = int(recipe.vllm.get("tensor_parallel_size", 1) or 1)
-    cost = resolve_model(inputs.cost_model, None if hardware.is_cpu else hardware.family, tp)
+    cost = recipe.step_model(inputs.cost_model)
     sim_trace = load_trace(inputs.trace, inputs.mooncake_block_tokens)
     requests = window(sim_trace, inputs.window)
     twin = twin_settings(recipe, family, params, cost, requests, inputs.knobs, inputs.kv_tokens)

@@ -110,12 +110,7 @@ def emulate_options(options: ServeOptions, recipes: Mapping[str, Recipe]) -> Emu
     tensor-parallel size) and slowdown; None without --emulate. Reads the model's file."""
     if not options.emulate or not options.context_key:
         return None  # build_plan refuses what is missing, with the fix
-    from carbonforge_runtime.core.step_models import resolve_model
-
-    recipe = resolve(options.context_key, recipes)
-    hardware = recipe.key.hardware
-    tp = int(recipe.vllm.get("tensor_parallel_size", 1) or 1)
-    model = resolve_model(options.cost_model, None if hardware.is_cpu else hardware.family, tp)
+    model = resolve(options.context_key, recipes).step_model(options.cost_model)
     return EmulateOptions(model, check_slowdown(options.emulate_slowdown))
 
 
