@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+from carbonforge_runtime.core.figure_labels import LATE_SHARE_LIMIT
 from carbonforge_runtime.core.redaction import redact_url
 from carbonforge_runtime.errors import UsageError
 
@@ -172,7 +173,7 @@ class Emulation:
     proxy: bool = False
     slowdown: float = 1.0
     #: Above this share of late steps the run is reported as not faithful.
-    late_share_warning: float = 0.01
+    late_share_warning: float = LATE_SHARE_LIMIT
 
 
 @dataclass(frozen=True)
