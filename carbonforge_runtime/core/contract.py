@@ -176,6 +176,12 @@ class Emulation:
     late_share_warning: float = LATE_SHARE_LIMIT
 
 
+#: The words that mark a paced engine's shutdown summary and its not-faithful warning in the engine
+#: log: the engine writes them (engine/pacing.py), the runtime finds them there (planning/emulate.py).
+EMULATION_SUMMARY_MARK = "steps ran late"
+EMULATION_NOT_FAITHFUL_MARK = "emulated run NOT FAITHFUL"
+
+
 @dataclass(frozen=True)
 class EngineContract:
     ordering: Ordering = field(default_factory=Ordering)

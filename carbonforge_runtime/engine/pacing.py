@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from carbonforge_runtime.core.contract import Emulation
+from carbonforge_runtime.core.contract import EMULATION_NOT_FAITHFUL_MARK, EMULATION_SUMMARY_MARK, Emulation
 from carbonforge_runtime.core.feed_protocol import EngineCounters
 from carbonforge_runtime.core.figure_labels import EMULATED, FigureLabel, emulated
 from carbonforge_runtime.core.twin_data import StepCostModel, step_time_s
@@ -151,11 +151,11 @@ def summary_line(lateness: Lateness, emulation: Emulation) -> str:
     """The line a paced engine logs at shutdown: its label, the slowdown, the late steps."""
     worst = f", worst {lateness.worst_ratio:.2f}x its modelled time" if lateness.late else ""
     return (f"{label_of(lateness, emulation).text()}; slowdown {emulation.slowdown:g}; {lateness.late} of "
-            f"{lateness.steps} steps ran late{worst}")
+            f"{lateness.steps} {EMULATION_SUMMARY_MARK}{worst}")
 
 
 def not_faithful_line(lateness: Lateness, emulation: Emulation) -> str:
-    return (f"{EMULATED} run NOT FAITHFUL: {lateness.late} of {lateness.steps} steps ({lateness.share:.1%}, over "
+    return (f"{EMULATION_NOT_FAITHFUL_MARK}: {lateness.late} of {lateness.steps} steps ({lateness.share:.1%}, over "
             f"{emulation.late_share_warning:.0%}) took longer on this machine than {emulation.model} models; "
             f"the times served are this machine's, not the modelled GPU's. Raise --emulate-slowdown (now "
             f"{emulation.slowdown:g}) or lower the load")

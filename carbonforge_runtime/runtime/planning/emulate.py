@@ -16,8 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from carbonforge_runtime.core.contract import Emulation
-from carbonforge_runtime.core.figure_labels import LATE_SHARE_LIMIT
+from carbonforge_runtime.core.contract import EMULATION_NOT_FAITHFUL_MARK, EMULATION_SUMMARY_MARK, Emulation
 from carbonforge_runtime.core.twin_data import StepCostModel
 from carbonforge_runtime.errors import UsageError
 from carbonforge_runtime.recipes.keys import HardwareSpec
@@ -123,14 +122,8 @@ def emulation_contract(options: EmulateOptions) -> Emulation:
     model = options.cost_model
     return Emulation(model=model.name, version=model.version, proxy=model.proxy, floor_ms=model.floor_ms,
                      per_batched_token_ms=model.per_batched_token_ms, per_kv_token_read_ms=model.per_kv_token_read_ms,
-                     attention_ms=model.attention_ms, overhead_ms=model.overhead_ms, slowdown=options.slowdown,
-                     late_share_warning=LATE_SHARE_LIMIT)
+                     attention_ms=model.attention_ms, overhead_ms=model.overhead_ms, slowdown=options.slowdown)
 
-
-#: What marks the paced engine's shutdown summary and its warning in the engine log
-#: (:mod:`carbonforge_runtime.engine.pacing` writes them).
-SUMMARY_MARK = "steps ran late"
-NOT_FAITHFUL_MARK = "emulated run NOT FAITHFUL"
 
 
 def emulation_report(engine_log_tail: Sequence[str]) -> list[tuple[str, str]]:
@@ -138,7 +131,7 @@ def emulation_report(engine_log_tail: Sequence[str]) -> list[tuple[str, str]]:
     log, without vLLM's prefix, for the runtime's own log at the end of a serve."""
     found: dict[str, str] = {}
     for line in engine_log_tail:
-        for level, mark in (("info", SUMMARY_MARK), ("warning", NOT_FAITHFUL_MARK)):
+        for level, mark in (("info", EMULATION_SUMMARY_MARK), ("warning", EMULATION_NOT_FAITHFUL_MARK)):
             if mark in line and "emulated" in line:
                 found[level] = line[line.index("emulated"):].strip()
     return [(level, found[level]) for level in ("info", "warning") if level in found]
