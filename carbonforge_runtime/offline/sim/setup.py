@@ -150,11 +150,6 @@ def capacity_engine(twin: TwinSettings) -> TwinSettings:
     return replace(twin, family=CAPACITY_FAMILY, params={})
 
 
-def capacity_note(capacity: float) -> dict[str, Any]:
-    """What a result file records of the capacity a ``--load`` run is scaled to."""
-    return {"rps": capacity, "measured_with": CAPACITY_FAMILY}
-
-
 def at_load(served: list[SimRequest], load: float, capacity: float) -> tuple[list[SimRequest], float]:
     """The requests with their gaps scaled so that they arrive at ``load`` times ``capacity``
     requests a second on average, and the factor applied to the arrival rate."""
