@@ -17,6 +17,7 @@ import typer.core
 
 from carbonforge_runtime import PINNED_VLLM_VERSION, __version__
 from carbonforge_runtime import log as cflog
+from carbonforge_runtime.cli.calibrate import calibrate_command as calibrate_host_command
 from carbonforge_runtime.cli.errors import run_guarded
 from carbonforge_runtime.cli.fetch import FETCH_EPILOG, fetch_command
 from carbonforge_runtime.cli.ltr import ltr_app
@@ -101,6 +102,7 @@ app.command("replay")(replay_command)
 app.command("sim")(sim_command)
 app.command("sim-calibrate")(calibrate_command)
 app.command("tune")(tune_command)
+app.command("calibrate")(calibrate_host_command)
 app.command("fetch", epilog=FETCH_EPILOG)(fetch_command)
 app.command("top", epilog=TOP_EPILOG)(top_command)
 app.add_typer(trace_app, name="trace")
@@ -348,6 +350,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     except CarbonForgeError as exc:
         typer.echo(exc.render(), err=True)
         raise SystemExit(exc.exit_code) from None
-    if command and command[0] in ("sim", "tune"):
+    if command and command[0] in ("sim", "tune", "calibrate"):
         pin_hash_seed(command)
     app(args=command, prog_name="carbonforge-runtime")
