@@ -1,0 +1,489 @@
+#!/usr/bin/env python3
+"""The twin held to the paced engine: predict first, then serve the same arrivals, then compare.
+
+For every cell (a trace window, a load, a family) the twin (vLLM's scheduler in virtual time,
+:mod:`carbonforge_runtime.engine.twin`) predicts the run and the prediction is printed; only then
+is the window served by the paced engine (``serve --emulate``: vLLM's real API server, engine
+core, scheduler and KV cache on this machine's CPU, every step lasting what the recipe's
+step-time model says) and the two are compared. All predictions of the matrix are made and written
+before the first request is sent.
+
+What both sides get:
+
+* the same requests: a window of ``--limit`` requests of each trace (Azure conversation, Mooncake
+  with its prefix hash ids, prefill-heavy, templated; built as ``ordering_twin.py`` builds them),
+  with the same prompt sizes and the same prefix-sharing structure (the twin's content blocks are
+  spelled as token ids the stand-in model accepts, sent to ``/v1/completions``; ``max_tokens`` is
+  the recorded output with ``ignore_eos``);
+* the same arrivals: ``--loads`` of the twin's FCFS capacity on that window (measured once per
+  window, as ``sim --load`` does), the same times for every family;
+* the same engine: the recipe as ``serve --emulate`` serves it (its knobs; KV blocks of 32 tokens,
+  the CPU engine's, and the KV cache that many blocks hold; synchronous scheduling, the only kind
+  the CPU engine has);
+* the same step times: the recipe's step-time model; with ``--emulate-slowdown K`` every step
+  lasts K times the model, so the twin runs with every coefficient and every gap between arrivals
+  K times longer (its ordering families' time constants then see the same clock as the engine's),
+  and every figure is reported in the modelled GPU's seconds (divided by K).
+
+Engines: one per family (the family is fixed when the engine starts; ``bench_switch`` would hand
+the waiting queue its own overtaking bound and prefix-lookup limit, not the served family's). FCFS
+serves every cell twice (the second pass after all the first), for the engine's own noise. Before
+the runs on an engine, a short burst (not measured) warms it up. Each run's prompts carry a run
+salt, so no run finds another's blocks in the prefix cache.
+
+Per cell, the table gives the twin against the paced engine (mean and p99 e2e, mean TTFT,
+throughput), the relative errors and pass/fail against the targets (5%, 10%, 10%, 3%), FCFS served
+twice against itself (3%), the paced engine's late-step share in that run (from its metrics
+counters; a run with more than 1% of its steps late is not faithful) and the machine's load
+average. The ranking check: for each cell and metric, wherever the paced engine's difference
+between two families exceeds the FCFS noise of that cell, whether the twin puts them the same way
+round.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/twin_vs_paced.py --emulate-slowdown 0.5 \\
+        --json benchmarks/results/twin_vs_paced.json --markdown benchmarks/results/twin_vs_paced.md
+
+``--only TRACE[,TRACE]``, ``--loads`` and ``--families`` run a part of the matrix; ``--predict-only``
+stops after the predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import (  # noqa: E402
+    EngineProcess,
+    TraceTail,
+    command,
+    commit,
+    free_port,
+    log,
+    percentile,
+    runtime,
+)
+
+HASH_SEED = "0"
+RECIPE = "qwen3-32b:fp8:chat:a100-80x1"
+TRACES = ("azure-conv", "mooncake", "prefill", "templated")
+#: Requests of each trace's window (each run then lasts about a minute at slowdown 0.5).
+DEFAULT_LIMITS = {"azure-conv": 200, "mooncake": 60, "prefill": 200, "templated": 300}
+LOADS = (0.7, 0.9)
+#: Families of every cell, and the extra family of some traces.
+BASE_FAMILIES = ("fcfs", "ltr-promptlen")
+EXTRA_FAMILY = {"mooncake": "affinity", "templated": "hybrid"}
+AGAIN = "fcfs-again"
+#: Relative error allowed per metric, twin against the paced engine; and FCFS against itself.
+TARGETS = {"mean_e2e": 0.05, "p99_e2e": 0.10, "mean_ttft": 0.10, "throughput": 0.03}
+REPEAT_TARGET = 0.03
+METRICS = (("mean_e2e", "mean e2e"), ("p99_e2e", "p99 e2e"), ("mean_ttft", "mean TTFT"), ("throughput", "req/s"))
+LOWER_IS_BETTER = {"mean_e2e": True, "p99_e2e": True, "mean_ttft": True, "throughput": False}
+LATE_LIMIT = 0.01
+#: Token ids the stand-in model accepts (its vocabulary has 4,102).
+TOKEN_LOW, TOKEN_HIGH = 100, 4000
+WARMUP_REQUESTS = 12
+
+
+# -- the cells -----------------------------------------------------------------------------------------
+
+
+def families_of(trace: str) -> list[str]:
+    extra = EXTRA_FAMILY.get(trace)
+    return [*BASE_FAMILIES, *([extra] if extra else [])]
+
+
+def twin_inputs(trace: Any, limit: int, slowdown: float) -> dict[str, Any]:
+    """The window, the engine as ``serve --emulate`` serves the recipe, and the step-time model
+    (every coefficient times ``slowdown``)."""
+    from carbonforge_runtime.offline.sim.inputs import WindowOptions
+    from carbonforge_runtime.offline.sim.setup import KnobOverrides, TwinInputs, prepare
+    from carbonforge_runtime.runtime.planning.emulate import cpu_block_size, kv_blocks
+
+    base = prepare(TwinInputs(trace=Path(trace.path), context_key=RECIPE, window=WindowOptions(limit=limit),
+                              family="fcfs", knobs=KnobOverrides(async_scheduling=False)))
+    block = cpu_block_size(int(base.recipe.vllm.get("block_size") or 16))
+    kv_tokens = kv_blocks(base.cost, block) * block
+    twin = dataclasses.replace(base.twin, block_size=block, kv_tokens=kv_tokens, async_scheduling=False)
+    c = base.cost
+    cost = dataclasses.replace(
+        c, floor_ms=c.floor_ms * slowdown, per_batched_token_ms=c.per_batched_token_ms * slowdown,
+        per_kv_token_read_ms=c.per_kv_token_read_ms * slowdown, attention_ms=c.attention_ms * slowdown,
+        overhead_ms=c.overhead_ms * slowdown)
+    from carbonforge_runtime.offline.sim.setup import refused
+
+    served = [r for r in base.requests if r.index not in refused(base.requests, twin)]
+    return {"base": base, "twin": twin, "cost": cost, "served": served}
+
+
+def twin_metrics(run: Any) -> dict[str, float]:
+    records = [{"t_arrival": o.arrival_s, "t_completion": o.completion_s, "e2e_latency_s": o.completion_s - o.arrival_s,
+                "ttft_s": None if o.first_token_s is None else o.first_token_s - o.arrival_s,
+                "finish_reason": "length"} for o in run.outcomes if o.completion_s is not None]
+    return metrics(records)
+
+
+def metrics(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean and p99 e2e, mean TTFT (seconds), throughput (requests a second over first arrival to
+    last completion), from the runtime's trace records or the twin's outcomes alike."""
+    done = [r for r in records if r.get("finish_reason") in ("length", "stop") and r.get("e2e_latency_s") is not None]
+    if not done:
+        nan = float("nan")
+        return {"n": 0.0, "mean_e2e": nan, "p99_e2e": nan, "mean_ttft": nan, "throughput": nan}
+    e2e = [float(r["e2e_latency_s"]) for r in done]
+    ttft = [float(r["ttft_s"]) for r in done if r.get("ttft_s") is not None]
+    span = max(float(r["t_completion"]) for r in done) - min(float(r["t_arrival"]) for r in done)
+    return {"n": float(len(done)), "mean_e2e": statistics.fmean(e2e), "p99_e2e": percentile(e2e, 0.99),
+            "mean_ttft": statistics.fmean(ttft) if ttft else float("nan"),
+            "throughput": len(done) / span if span > 0 else float("nan")}
+
+
+def scaled_metrics(m: dict[str, float], slowdown: float) -> dict[str, float]:
+    """Seconds of a dilated run as the modelled GPU's seconds."""
+    return {"n": m["n"], "mean_e2e": m["mean_e2e"] / slowdown, "p99_e2e": m["p99_e2e"] / slowdown,
+            "mean_ttft": m["mean_ttft"] / slowdown, "throughput": m["throughput"] * slowdown}
+
+
+def predict(traces: list[Any], limits: dict[str, int], loads: list[float], slowdown: float,
+            wanted: set[str] | None) -> dict[str, Any]:
+    """Every cell's prediction (and the arrivals the engine will be sent), printed as it is made."""
+    from carbonforge_runtime.engine.twin import measure_capacity, run_twin
+    from carbonforge_runtime.offline.sim.setup import at_load, capacity_engine
+
+    out: dict[str, Any] = {}
+    for trace in traces:
+        inputs = twin_inputs(trace, limits[trace.name], slowdown)
+        twin, cost, served = inputs["twin"], inputs["cost"], inputs["served"]
+        capacity = measure_capacity(served, capacity_engine(twin), cost)
+        entry: dict[str, Any] = {
+            "requests": len(inputs["base"].requests), "served": len(served), "capacity_rps": capacity * slowdown,
+            "block_size": twin.block_size, "kv_tokens": twin.kv_tokens, "max_num_seqs": twin.max_num_seqs,
+            "max_num_batched_tokens": twin.max_num_batched_tokens, "cost_model": inputs["base"].cost.name,
+            "proxy": inputs["base"].cost.proxy, "loads": {}}
+        log(f"twin: {trace.name}: {len(served)} requests, FCFS capacity {capacity * slowdown:.3f} req/s "
+            f"(modelled GPU), KV {twin.kv_tokens} tokens in blocks of {twin.block_size}")
+        for load in loads:
+            requests, factor = at_load(served, load, capacity)
+            cell: dict[str, Any] = {"rate_factor": factor, "arrivals": [
+                {"index": r.index, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
+                 "output_tokens": r.output_tokens, "blocks": list(r.blocks) if r.blocks is not None else None,
+                 "block_tokens": r.block_tokens} for r in requests], "twin": {}}
+            for family in families_of(trace.name):
+                if wanted is not None and family not in wanted:
+                    continue
+                started = time.process_time()
+                run = run_twin(requests, dataclasses.replace(twin, family=family, params={}), cost)
+                m = scaled_metrics(twin_metrics(run), slowdown)
+                m["preemptions"] = float(sum(o.preemptions for o in run.outcomes))
+                m["prefix_hit"] = (sum(o.cached_prompt_tokens or 0 for o in run.outcomes)
+                                   / max(1, sum(o.prompt_tokens for o in run.outcomes)))
+                cell["twin"][family] = m
+                log(f"twin: {trace.name} @ {load:.0%} {family}: mean e2e {m['mean_e2e']:.2f} s, p99 "
+                    f"{m['p99_e2e']:.2f} s, TTFT {m['mean_ttft']:.2f} s, {m['throughput']:.3f} req/s, "
+                    f"{m['preemptions']:.0f} preemptions, prefix hits {m['prefix_hit']:.0%} "
+                    f"({time.process_time() - started:.1f} s CPU)")
+            entry["loads"][f"{load:g}"] = cell
+        out[trace.name] = entry
+    return out
+
+
+# -- the paced engine ----------------------------------------------------------------------------------
+
+
+def engine_prompt(arrival: dict[str, Any], salt: int) -> list[int]:
+    """Token ids with the twin's prompt structure: each named content block is the same tokens
+    wherever it appears (within one run), the rest is the request's own."""
+    def block(key: tuple[Any, ...], size: int) -> list[int]:
+        rng = random.Random(hash((salt, *key)))
+        return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(size)]
+
+    size_total = int(arrival["prompt_tokens"])
+    blocks, size = arrival.get("blocks"), int(arrival.get("block_tokens") or 0)
+    if not blocks or size < 1:
+        return block(("own", arrival["index"]), size_total)
+    out: list[int] = []
+    for block_id in blocks:
+        if len(out) >= size_total:
+            break
+        out.extend(block(("block", block_id), size))
+    if len(out) < size_total:
+        out.extend(block(("rest", arrival["index"]), size_total - len(out)))
+    return out[:size_total]
+
+
+def metric_counter(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith(name + "_created"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+class PacedEngine:
+    """``serve --emulate`` of the recipe with one family, its request trace and metrics."""
+
+    def __init__(self, work: Path, family: str, slowdown: float) -> None:
+        self.dir = work / f"engine-{family}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        recipes = self.dir / "recipes"
+        recipes.mkdir(exist_ok=True)
+        self.key = RECIPE if family == "fcfs" else RECIPE.replace("qwen3-32b:", f"qwen3-32b-tvp-{family}:", 1)
+        if family != "fcfs":
+            text = (REPO / "recipes" / "qwen3-32b--fp8--chat--a100-80x1.yaml").read_text()
+            text = text.split("\nbenchmark:")[0].replace(f"key: {RECIPE}", f"key: {self.key}")
+            text = text.replace("  family: fcfs\n  params: {}", f"  family: {family}\n  params: {{}}")
+            (recipes / "recipe.yaml").write_text(text + "\n")
+        self.trace = self.dir / "trace.jsonl"
+        self.trace.unlink(missing_ok=True)
+        self.steps = self.dir / "steps.jsonl"
+        self.steps.unlink(missing_ok=True)
+        self.metrics_port = free_port()
+        self.process: EngineProcess = runtime(
+            ["--context-key", self.key, "--emulate", "--emulate-slowdown", f"{slowdown:g}", "--metrics",
+             "--request-trace", "standard", "--trace-file", str(self.trace), "--step-log", str(self.steps)],
+            self.dir / "logs", env={"CF_RECIPES_DIR": str(recipes), "CF_METRICS_PORT": str(self.metrics_port)})
+        self.tail = TraceTail(self.trace)
+        self.served_name = "Qwen/Qwen3-32B-FP8"
+
+    def __enter__(self) -> PacedEngine:
+        self.process.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.__exit__(*exc)
+
+    def counters(self) -> tuple[float, float]:
+        return (metric_counter(self.metrics_port, "carbonforge_engine_emulated_steps_total"),
+                metric_counter(self.metrics_port, "carbonforge_engine_emulated_late_steps_total"))
+
+    def serve(self, arrivals: list[dict[str, Any]], salt: int,
+              deadline_s: float = 1800.0) -> tuple[list[dict[str, Any]], list[str]]:
+        """Send ``arrivals`` at their times (the twin's, already dilated); the runtime's trace records."""
+        from carbonforge_runtime.offline.replay.plan import PlannedRequest
+        from carbonforge_runtime.offline.replay.runner import RunOptions, run_replay
+
+        prompts = {a["index"]: engine_prompt(a, salt) for a in arrivals}
+
+        class Planned(PlannedRequest):
+            @property
+            def prompt(self) -> list[int]:  # type: ignore[override]
+                return prompts[self.index]
+
+        first = arrivals[0]["arrival_s"]
+        plan = [Planned(a["index"], a["arrival_s"] - first, a["prompt_tokens"], a["output_tokens"])
+                for a in arrivals]
+        options = RunOptions(base_url=self.process.base_url, model=self.served_name, concurrency=1024,
+                             deadline_s=deadline_s, request_timeout_s=deadline_s, progress_every_s=1e9)
+        result = asyncio.run(run_replay(plan, options))
+        errors = sorted({o.error for o in result.outcomes if o.error})
+        records = self.tail.wait({o.request_id for o in result.outcomes if o.request_id})
+        return records, errors
+
+
+def run_engines(work: Path, predicted: dict[str, Any], slowdown: float, wanted: set[str] | None,
+                results: dict[str, Any], save: Any) -> None:
+    families: list[str] = []
+    for trace in predicted:
+        for family in families_of(trace):
+            if family not in families and (wanted is None or family in wanted):
+                families.append(family)
+    salt = 0
+    for family in families:
+        passes = [family, AGAIN] if family == "fcfs" else [family]
+        log(f"\npaced: starting the engine for {family} (slowdown {slowdown:g})")
+        started = time.monotonic()
+        with PacedEngine(work, family, slowdown) as engine:
+            log(f"paced: ready in {time.monotonic() - started:.0f} s")
+            warm = next(iter(next(iter(predicted.values()))["loads"].values()))["arrivals"][:WARMUP_REQUESTS]
+            salt += 1
+            engine.serve([{**a, "arrival_s": 0.0} for a in warm], salt)
+            for run_name in passes:
+                for trace, entry in predicted.items():
+                    if family not in families_of(trace):
+                        continue
+                    for load, cell in entry["loads"].items():
+                        salt += 1
+                        steps0, late0 = engine.counters()
+                        load0, t0 = loadavg(), time.monotonic()
+                        records, errors = engine.serve(cell["arrivals"], salt)
+                        wall = time.monotonic() - t0
+                        steps1, late1 = engine.counters()
+                        m = scaled_metrics(metrics(records), slowdown)
+                        steps, late = steps1 - steps0, late1 - late0
+                        row = {**m, "steps": steps, "late_steps": late,
+                               "late_share": late / steps if steps else 0.0, "loadavg_start": load0,
+                               "loadavg_end": loadavg(), "wall_s": wall, "errors": errors,
+                               "sent": len(cell["arrivals"])}
+                        results.setdefault(trace, {}).setdefault(load, {})[run_name] = row
+                        tw = cell["twin"].get(family, {})
+                        log(f"paced: {trace} @ {float(load):.0%} {run_name}: {m['n']:.0f}/{len(cell['arrivals'])} in "
+                            f"{wall:.0f} s: mean e2e {m['mean_e2e']:.2f} s (twin {tw.get('mean_e2e', math.nan):.2f}), "
+                            f"p99 {m['p99_e2e']:.2f} s ({tw.get('p99_e2e', math.nan):.2f}), "
+                            f"TTFT {m['mean_ttft']:.2f} s ({tw.get('mean_ttft', math.nan):.2f}), "
+                            f"{m['throughput']:.3f} req/s "
+                            f"({tw.get('throughput', math.nan):.3f}); late {late:.0f}/{steps:.0f} steps; "
+                            f"load {load0:.2f}" + (f"; errors: {errors}" if errors else ""))
+                        save()
+
+
+# -- the report ----------------------------------------------------------------------------------------
+
+
+def rel(pred: float, real: float) -> float:
+    return (pred - real) / real if real and math.isfinite(pred) and math.isfinite(real) else math.nan
+
+
+def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) -> tuple[str, dict[str, Any]]:
+    lines = ["| trace | load | family | " + " | ".join(f"{label} twin / paced (err)" for _, label in METRICS)
+             + " | meets targets | FCFS vs FCFS (e2e, p99, TTFT, req/s) | late steps | load avg |",
+             "|---|---|---|" + "---|" * len(METRICS) + "---|---|---|---|"]
+    cells: list[dict[str, Any]] = []
+    ranking: list[dict[str, Any]] = []
+    for trace, entry in predicted.items():
+        for load, cell in entry["loads"].items():
+            served = results.get(trace, {}).get(load, {})
+            repeat = None
+            if "fcfs" in served and AGAIN in served:
+                repeat = {m: abs(rel(served[AGAIN][m], served["fcfs"][m])) for m, _ in METRICS}
+            for run_name in [*families_of(trace)[:1], AGAIN, *families_of(trace)[1:]]:
+                family = "fcfs" if run_name == AGAIN else run_name
+                twin = cell["twin"].get(family)
+                paced = served.get(run_name)
+                if twin is None or paced is None:
+                    continue
+                errs = {m: rel(twin[m], paced[m]) for m, _ in METRICS}
+                ok = {m: math.isfinite(errs[m]) and abs(errs[m]) <= TARGETS[m] for m, _ in METRICS}
+                faithful = paced["late_share"] <= LATE_LIMIT and paced["n"] == paced["sent"]
+                cells.append({"trace": trace, "load": float(load), "run": run_name, "family": family, "twin": twin,
+                              "paced": paced, "errors": errs, "pass": ok, "all_pass": all(ok.values()),
+                              "faithful": faithful, "repeat": repeat})
+                rep = ("-" if repeat is None else ", ".join(
+                    f"{repeat[m]:.1%}{'' if repeat[m] <= REPEAT_TARGET else '!'}" for m, _ in METRICS))
+                missed = [label for m, label in METRICS if not ok[m]]
+                verdict = "yes" if not missed else "no: " + ", ".join(missed)
+                late = f"{paced['late_share']:.2%} ({paced['late_steps']:.0f}/{paced['steps']:.0f})"
+                lines.append(
+                    f"| {trace} | {float(load):.0%} | {run_name} | " + " | ".join(
+                        f"{twin[m]:.3f} / {paced[m]:.3f} ({errs[m]:+.1%})" for m, _ in METRICS)
+                    + f" | {verdict} | {rep if run_name == 'fcfs' else ''} | {late}"
+                    + ("" if faithful else " NOT FAITHFUL")
+                    + f" | {paced['loadavg_start']:.1f}-{paced['loadavg_end']:.1f} |")
+            # Ranking: pairs of families whose paced difference exceeds FCFS's own noise on this cell.
+            fams = [f for f in families_of(trace) if f in served and f in cell["twin"]]
+            for i, a in enumerate(fams):
+                for b in fams[i + 1:]:
+                    for m, _ in METRICS:
+                        diff = abs(rel(served[a][m], served[b][m]))
+                        floor = None if repeat is None else repeat[m]
+                        judged = floor is not None and diff > floor
+                        entry_r = {"trace": trace, "load": float(load), "a": a, "b": b, "metric": m,
+                                   "paced_diff": diff, "noise": floor, "judged": judged}
+                        if judged:
+                            paced_a = (served[a][m] < served[b][m]) == LOWER_IS_BETTER[m]
+                            twin_a = (cell["twin"][a][m] < cell["twin"][b][m]) == LOWER_IS_BETTER[m]
+                            entry_r.update({"paced_better": a if paced_a else b, "twin_better": a if twin_a else b,
+                                            "agrees": paced_a == twin_a})
+                        ranking.append(entry_r)
+    judged_pairs = [r for r in ranking if r["judged"]]
+    agree = sum(r["agrees"] for r in judged_pairs)
+    passed = sum(c["all_pass"] for c in cells)
+    repeat_ok = [c for c in cells if c["run"] == "fcfs" and c["repeat"] is not None]
+    lines += ["", f"Cells meeting every target: {passed} of {len(cells)}. FCFS served twice within "
+              f"{REPEAT_TARGET:.0%} of itself on every metric: "
+              f"{sum(all(v <= REPEAT_TARGET for v in c['repeat'].values()) for c in repeat_ok)} of {len(repeat_ok)} "
+              f"cells. Ranking: {agree} of {len(judged_pairs)} judged pairs (family pairs and metrics whose paced "
+              f"difference exceeds that cell's FCFS noise) ranked by the twin as by the paced engine."]
+    for r in judged_pairs:
+        if not r["agrees"]:
+            lines.append(f"- disagrees: {r['trace']} @ {r['load']:.0%} {r['a']} vs {r['b']}, {r['metric']}: paced "
+                         f"{r['paced_better']} better by {r['paced_diff']:.1%} (noise {r['noise']:.1%}), twin "
+                         f"{r['twin_better']}")
+    figures = {"cells": cells, "ranking": ranking, "targets": TARGETS, "repeat_target": REPEAT_TARGET,
+               "late_limit": LATE_LIMIT, "slowdown": slowdown, "recipe": RECIPE,
+               "traces": {t: {k: v for k, v in e.items() if k != "loads"} | {"loads": {
+                   load: {"rate_factor": c["rate_factor"], "requests": len(c["arrivals"]), "twin": c["twin"]}
+                   for load, c in e["loads"].items()}} for t, e in predicted.items()}}
+    return "\n".join(lines), figures
+
+
+def main() -> int:
+    if os.environ.get("PYTHONHASHSEED") != HASH_SEED:
+        os.environ["PYTHONHASHSEED"] = HASH_SEED
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--emulate-slowdown", type=float, default=0.5, help="every step (and gap) K times the model")
+    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
+    parser.add_argument("--only", default=",".join(TRACES), help="traces to run")
+    parser.add_argument("--families", default=None, help="only these families (default: every family of a cell)")
+    parser.add_argument("--limit", action="append", default=[], metavar="TRACE=N",
+                        help="requests of a trace's window (defaults: "
+                             + ", ".join(f"{k}={v}" for k, v in DEFAULT_LIMITS.items()) + ")")
+    parser.add_argument("--work", type=Path, default=Path("/work/bench-out/twin_vs_paced"))
+    parser.add_argument("--predict-only", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    from benchmarks.ordering_twin import make_traces
+
+    limits = dict(DEFAULT_LIMITS)
+    for item in args.limit:
+        name, _, value = item.partition("=")
+        limits[name] = int(value)
+    only = [t for t in args.only.split(",") if t]
+    loads = [float(x) for x in args.loads.split(",") if x]
+    wanted = set(args.families.split(",")) if args.families else None
+    work: Path = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        traces = [t for t in make_traces(Path(tmp), max(limits.values())) if t.name in only]
+        log(f"== the twin predicts every cell first ({RECIPE}, slowdown {args.emulate_slowdown:g})")
+        predicted = predict(traces, limits, loads, args.emulate_slowdown, wanted)
+    (work / "predicted.json").write_text(json.dumps(predicted))
+    log(f"predictions written to {work / 'predicted.json'} ({time.monotonic() - started:.0f} s)")
+    results: dict[str, Any] = {}
+    made = {"commit": commit(), "command": command()}
+
+    def save() -> None:
+        (work / "paced.json").write_text(json.dumps(results, indent=1))
+
+    if not args.predict_only:
+        log("\n== the paced engine serves the same arrivals")
+        run_engines(work, predicted, args.emulate_slowdown, wanted, results, save)
+    text, figures = report(predicted, results, args.emulate_slowdown)
+    wall = time.monotonic() - started
+    model = next(iter(predicted.values()))["cost_model"] if predicted else "?"
+    header = (f"Twin against the paced engine: {RECIPE} (step-time model {model}, a proxy), `serve --emulate "
+              f"--emulate-slowdown {args.emulate_slowdown:g}`, all figures in the modelled GPU's seconds. "
+              f"Matrix wall time {wall / 60:.0f} min.\n\n")
+    text = header + text + f"\n\nCommit: `{made['commit']}`\nCommand: `{made['command']}`\n"
+    log("\n" + text)
+    if args.markdown is not None:
+        args.markdown.write_text(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps({**figures, **made, "wall_s": wall, "paced": results}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
