@@ -15,6 +15,7 @@ from carbonforge_runtime.cli.errors import run_guarded
 
 if TYPE_CHECKING:
     from carbonforge_runtime.offline.calibrate.run import Host, Prediction
+    from carbonforge_runtime.offline.calibrate.served import ServedEngine
 
 DEFAULT_BUDGET = "15m"
 
@@ -74,15 +75,22 @@ def predict(*, trace: Path, limit: int, load: float, cost_model: Path, kv_tokens
                       None if capacity is None else float(capacity), table)
 
 
-def _run(context_key: str, budget: str, output_dir: Path) -> int:
-    from carbonforge_runtime import PINNED_VLLM_VERSION
-    from carbonforge_runtime.offline.calibrate.run import Options, calibrate, check_inputs
+def served_engine(context_key: str, output_dir: Path) -> ServedEngine:
+    """The runtime serving ``context_key``, as a child process of the supervisor's kind (its own session,
+    a watchdog, a stop that ends in SIGKILL); tests replace this function."""
     from carbonforge_runtime.offline.calibrate.served import ServedEngine
     from carbonforge_runtime.runtime.process.supervisor import EngineProcess
 
+    return ServedEngine(context_key, output_dir, os.environ, EngineProcess)
+
+
+def _run(context_key: str, budget: str, output_dir: Path) -> int:
+    from carbonforge_runtime import PINNED_VLLM_VERSION
+    from carbonforge_runtime.offline.calibrate.run import Options, calibrate, check_inputs
+
     recipe, seconds = check_inputs(context_key, output_dir, budget, os.environ)
     options = Options(recipe.key_text, output_dir, seconds)
-    engine = ServedEngine(recipe.key_text, output_dir, os.environ, EngineProcess)
+    engine = served_engine(recipe.key_text, output_dir)
 
     def twin(*, trace: Path, limit: int, load: float, cost_model: Path, kv_tokens: int,
              async_scheduling: bool | None, output: Path) -> Prediction:

@@ -304,8 +304,8 @@ def calibrate(options: Options, recipe: Recipe, engine: Engine, predict: Predict
     try:
         deadline = run.enter(START)
         run.say(f"serving {recipe.key_text} with its step log (logs in {engine.log_dir})")
-        engine.start()
         try:
+            engine.start()
             took = engine.wait_ready(deadline, run.say)
         except EngineTrouble as exc:
             raise run.stop(str(exc), f"run `carbonforge-runtime doctor --context-key {recipe.key_text}`, read "
