@@ -14,6 +14,10 @@ on a GPU whose host work overlaps the forward pass. After the engine ran out of 
 when the scheduler is asked for it. These are the step log's boundaries
 (:mod:`~carbonforge_runtime.engine.step_log`), so a step log of a paced run shows the modelled times.
 
+A step that ends on time (within 2% of its modelled time) ends, for the next period, at its
+modelled end: the wake-up after a wait comes a fraction of a millisecond past the deadline on a
+busy machine, and were the next period to start from the wake-up, every step would last that much
+longer than the model (0.5% at a 25 ms step, which near saturation moves queueing by a few percent).
 A step whose real work (or the machine's wake-up after the wait) took it more than 2% past its
 modelled time is *late*: it ends when its work ends, and the next step starts from there (no
 catching up, so one late step lengthens that step only). Late steps are counted (the metrics feed's
@@ -204,13 +208,15 @@ class Pacer:
             deadline = start + modelled
             if now < deadline:
                 wait_until(deadline, self.clock, self.sleep, self.final_sleep)
-                end = self.clock()  # a late wake-up lengthens this step only: the next starts from here
+                end = self.clock()
             late = self.lateness.count(modelled, end - start)
             counters = self.counters
             counters.emulated_steps_total += 1
             if late:
                 counters.emulated_late_steps_total += 1
                 self._maybe_warn()
+            else:
+                end = min(end, deadline)  # on time: the next period starts at the modelled end
         self._last_end, self._busy_at_last_end = end, busy
 
     def _maybe_warn(self) -> None:

@@ -42,6 +42,14 @@ class Clock:
         self.now += seconds
 
 
+class LateWakeClock(Clock):
+    """Every sleep wakes up 0.1 ms past its end, as on a busy machine."""
+
+    def sleep(self, seconds: float) -> None:
+        super().sleep(seconds)
+        self.now += 0.0001
+
+
 class Captured(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -118,6 +126,25 @@ def test_the_slowdown_stretches_every_step(vllm_parts: dict[str, Any], monkeypat
     engine.scheduler.shutdown()
     assert clock.sleeps == [0.08, 0.005, 0.019, 0.005, 0.019, 0.005]
     assert walls(tmp_path / "steps.jsonl") == [0.09, 0.03, 0.03]
+
+
+def test_a_late_wake_up_is_not_carried_into_the_next_period(vllm_parts: dict[str, Any],
+                                                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every wait wakes up 0.1 ms past its deadline (a busy machine's wake-up): each step still lasts
+    its modelled time from the previous modelled end, so a run of steps lasts what the model says
+    plus one wake-up, not 1% more per step (which would slow the whole run by that much)."""
+    clock = LateWakeClock()
+    engine = paced_engine(vllm_parts, monkeypatch, clock, tmp_path / "steps.jsonl")
+    engine.add("a", list(range(1, 21)), max_tokens=50)
+    drain(engine, clock, forward_s=0.002)
+    engine.scheduler.shutdown()
+    lateness = engine.scheduler._cf_pacer.lateness  # type: ignore[attr-defined]
+    assert (lateness.steps, lateness.late) == (50, 0)
+    lines = [line for line in map(json.loads, (tmp_path / "steps.jsonl").read_text().splitlines())
+             if line["kind"] == "step"]
+    # From the first step's end to the last's: 49 steps of 10 ms (not 49 x 10.1 ms).
+    assert lines[-1]["t"] - lines[0]["t"] == pytest.approx(49 * 0.010, abs=2e-6)
+    assert walls(tmp_path / "steps.jsonl")[1:] == [0.01] * 49
 
 
 def test_with_asynchronous_scheduling_a_step_starts_where_the_previous_one_ended(
