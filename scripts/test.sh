@@ -46,9 +46,14 @@ if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest -p no:cacheprovider -q "$@"
 fi
 # Tests that start no engine run in three workers (many of them wait on timers or child processes,
-# so three keep two cores busy); the end-to-end tests run one at a time, since each starts the real
-# engine and several at once would make their timings those of a starved machine.
+# so three keep two cores busy). End-to-end modules marked parallel_safe (no timing bound that a
+# shared machine could break) run two at a time, one module per worker and each worker's engine bound
+# to a core of its own; the others (pacing, drains, ordering under load, fairness, groups, the
+# calibration fit) run one at a time, since a second engine would make their timings a starved
+# machine's.
 echo "== pytest: unit and integration tests (three workers)"
 .venv/bin/python -m pytest -p no:cacheprovider -q -n 3 tests/unit tests/integration
-echo "== pytest: end-to-end tests (the real vLLM CPU engine, one at a time)"
-.venv/bin/python -m pytest -p no:cacheprovider -q tests/e2e
+echo "== pytest: end-to-end tests that hold beside another engine (the real vLLM CPU engine, two at a time)"
+.venv/bin/python -m pytest -p no:cacheprovider -q -n 2 --dist loadfile -m parallel_safe tests/e2e
+echo "== pytest: timing-sensitive end-to-end tests (one at a time)"
+.venv/bin/python -m pytest -p no:cacheprovider -q -m "not parallel_safe" tests/e2e

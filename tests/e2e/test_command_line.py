@@ -22,6 +22,9 @@ import pytest
 from tests.support import TINY_KEY, RuntimeProcess, alive, descendants, free_port, wait_until
 from tests.support.serving import chat_both_ways
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 #: A foreign server: answers GET /health with 200 on the port given as argv[1].
 FOREIGN_SERVER = """
 import http.server, sys

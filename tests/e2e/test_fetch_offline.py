@@ -27,6 +27,9 @@ from tests.support.hub_double import (
     write_fetch_recipe,
 )
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 #: Variables of the caller that would point the engine at another cache or hub.
 _CALLER_HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN", "TRANSFORMERS_CACHE")
 

@@ -17,6 +17,9 @@ import pytest
 
 from tests.support.licensed_runtime import PREMIUM_KEY, issue, new_vendor, premium_runtime
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 SERVED = "carbonforge/tiny-premium"
 
 

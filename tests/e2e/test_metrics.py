@@ -30,6 +30,9 @@ import yaml
 from tests.support import REPO, TINY_SERVED_NAME, RuntimeProcess, free_port, listening_ports, wait_until
 from tests.support.burst import send_burst_replies
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 KEY = "cf-tiny-energy:bf16:chat:cpu"
 RECIPE = f"""
 # Test only: the tiny CPU recipe with an SM-clock controller, acting on the fake NVML.

@@ -24,6 +24,9 @@ import pytest
 from tests.support import TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants
 from tests.support.connects import connect_lines, is_local
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 #: Only connect() is stopped on (``--seccomp-bpf``), so the engine runs at nearly its own speed.
 STRACE = ["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect", "-e", "signal=none"]
 #: strace slows the start-up; the plain e2e tests wait 400 s.

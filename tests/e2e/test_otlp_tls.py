@@ -23,6 +23,9 @@ import pytest
 from tests.support import REPO, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, descendants, wait_until
 from tests.support.otlp_receiver import OtlpReceiver, TlsFiles, make_tls
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 #: The header's value as the variable carries it (URL-encoded) and as the collector receives it.
 TOKEN = "cf-e2e-7d41b9c0a3"
 HEADERS = f"authorization=Bearer%20{TOKEN},x-scope-orgid=tenant-42"

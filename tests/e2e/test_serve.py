@@ -41,6 +41,9 @@ from tests.support import (
 )
 from tests.support.serving import chat_both_ways, stop_cleanly
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 #: The start-up phases of the CPU engine, in the order the runtime must report them.
 CPU_PHASES = ["launching processes", "loading weights", "compiling", "measuring memory for the KV cache",
               "starting the API server"]

@@ -26,6 +26,9 @@ from carbonforge_runtime.offline.trace_tools.sketch import ALPHA, MIN_VALUE
 from tests.support import TEST_RECIPES, TINY_SERVED_NAME, RuntimeProcess, wait_until
 from tests.support.burst import send_burst
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 KEY = "cf-tiny-q2:bf16:chat:cpu"
 LIGHT_REQUESTS = 6
 BURST_REQUESTS = 32  # 16 waves of two sequences: the queue dominates even if the burst arrives spread out

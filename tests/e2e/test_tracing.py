@@ -366,7 +366,9 @@ class TestFullLevelRecipeSession:
         assert wait_until(lambda: s.runtime.engine_log_search(dropped_line), 40), \
             s.runtime.engine_log()[-3000:]
 
-        # 3. at shutdown every record is accounted for: delivered + dropped = completed
+        # 3. at shutdown every record is accounted for: delivered + dropped = completed. (Exact only on
+        # a machine that answers an export within the exporter's timeout: an export that times out
+        # after the collector took it counts as both, so this module runs one engine at a time.)
         assert s.runtime.stop(signal.SIGTERM, timeout_s=90) == 0, s.runtime.output()
         log = s.runtime.engine_log()
         assert "request trace: flushed at shutdown" in log, log[-3000:]

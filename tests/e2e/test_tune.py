@@ -22,6 +22,9 @@ import yaml
 
 from tests.support import REPO, TINY_KEY, TINY_SERVED_NAME, RuntimeProcess, synthetic_mooncake
 
+#: Holds with a second engine beside it (scripts/test.sh runs these modules two at a time).
+pytestmark = pytest.mark.parallel_safe
+
 
 def decode_heavy_trace(path: Path) -> Path:
     """Short prompts and longer answers, more than 16 at a time: the CPU recipe's 16 sequences are few."""

@@ -28,6 +28,17 @@ T = TypeVar("T")
 STARTS: list[Path] = []
 
 
+def worker_core() -> str | None:
+    """The CPU an engine started by this pytest-xdist worker binds its threads to (worker ``gwN`` takes
+    core N modulo the machine's cores), so that two engines side by side do not share one core as
+    vLLM's automatic binding would make them; None outside xdist (vLLM's own binding applies)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[int(worker[2:]) % len(cores)])
+
+
 def wait_until(check: Callable[[], T], timeout_s: float, *, every_s: float = 0.2, what: str = "") -> T:
     """Call ``check`` until it returns something true or ``timeout_s`` has passed; its last result.
 
@@ -124,6 +135,9 @@ class RuntimeProcess:
             "VLLM_USE_AOT_COMPILE": "0",
         })
         self.env.pop("CF_CONTEXT_KEY", None)
+        core = worker_core()
+        if core is not None:
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = core
         self.env.update(env or {})
         self.python = list(python or [sys.executable, "-m", "carbonforge_runtime"])
         self.proc: subprocess.Popen[bytes] | None = None
