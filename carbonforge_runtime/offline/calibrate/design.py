@@ -41,7 +41,7 @@ START, CALIBRATION, FIT, PREDICTION, CHECK, WRITE = (
 PHASES = (START, CALIBRATION, FIT, PREDICTION, CHECK, WRITE)
 #: How the time left is shared between a phase and the phases after it. The engine start gets the
 #: largest part (a cold start compiles); what it leaves goes on to the loads.
-PHASE_WEIGHTS = {START: 0.50, CALIBRATION: 0.18, FIT: 0.03, PREDICTION: 0.09, CHECK: 0.17, WRITE: 0.03}
+PHASE_WEIGHTS = {START: 0.55, CALIBRATION: 0.16, FIT: 0.03, PREDICTION: 0.08, CHECK: 0.15, WRITE: 0.03}
 #: Below this, no engine start and two loads fit: refused before anything starts.
 MIN_BUDGET_S = 60.0
 MAX_BUDGET_S = 24 * 3600.0
