@@ -582,6 +582,8 @@ def main() -> int:
             timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").exists() else {}
             wall = float(timing.get("wall_s", (work / "paced.json").stat().st_mtime
                                     - (work / "predicted.json").stat().st_mtime))
+            if "commit" in timing:  # the runs' own provenance beside the report's
+                made = {**made, "runs_commit": timing["commit"], "runs_command": timing["command"]}
         else:
             log(f"== the twin predicts every cell first ({RECIPE}, slowdown {args.emulate_slowdown:g})")
             predicted = predict(traces, limits, loads, args.emulate_slowdown, wanted)
@@ -596,7 +598,7 @@ def main() -> int:
                 log("\n== the paced engine serves the same arrivals")
                 run_engines(work, predicted, args.emulate_slowdown, wanted, results, save)
             wall = time.monotonic() - started
-            (work / "timing.json").write_text(json.dumps({"wall_s": wall}))
+            (work / "timing.json").write_text(json.dumps({"wall_s": wall, **made}))
         if results:
             log("\n== after the fact: each run's step times against the model")
             run_speeds(work, traces, limits, predicted, results, args.emulate_slowdown, wanted)
@@ -613,7 +615,9 @@ def main() -> int:
     header = (f"Twin against the paced engine: {RECIPE} (step-time model {model}, a proxy), `serve --emulate "
               f"--emulate-slowdown {args.emulate_slowdown:g}`, all figures in the modelled GPU's seconds. "
               f"Matrix wall time {wall / 60:.0f} min.\n\n")
-    text = header + text + f"\n\nCommit: `{made['commit']}`\nCommand: `{made['command']}`\n"
+    runs = (f"\nRuns made at commit `{made['runs_commit']}` by `{made['runs_command']}`"
+            if "runs_commit" in made else "")
+    text = header + text + f"\n\nCommit: `{made['commit']}`\nCommand: `{made['command']}`{runs}\n"
     log("\n" + text)
     if args.markdown is not None:
         args.markdown.write_text(text)
