@@ -236,7 +236,7 @@ def check_records(n: int, limits: EngineLimits, seed: int = 23) -> list[dict[str
 
 
 def check_size(allowance_s: float, capacity_rps: float, load: float = CHECK_LOAD, lowest: int = 20,
-               highest: int = 400) -> int:
+               highest: int = 250) -> int:
     """How many requests the check load can have so that serving them (at ``load`` times the capacity)
     takes about half of ``allowance_s``: the rest covers the queue draining at the end and the records.
     At least ``lowest`` (fewer say nothing) and at most ``highest``."""

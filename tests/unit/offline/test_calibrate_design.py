@@ -132,9 +132,9 @@ def test_the_check_load_is_another_traffic_within_the_limits() -> None:
 
 
 def test_the_check_load_is_sized_to_its_share_of_the_budget() -> None:
-    assert design.check_size(100.0, 10.0) == 350  # half of 100 s at 70% of 10 req/s
+    assert design.check_size(60.0, 10.0) == 210  # half of 60 s at 70% of 10 req/s
     assert design.check_size(10.0, 1.0) == 20  # never fewer than say something
-    assert design.check_size(10_000.0, 100.0) == 400
+    assert design.check_size(10_000.0, 100.0) == 250
     assert design.check_size(100.0, float("nan")) == 20
 
 
