@@ -512,8 +512,10 @@ def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) 
                         if judged:
                             paced_a = (served[a][m] < served[b][m]) == LOWER_IS_BETTER[m]
                             twin_a = (cell["twin"][a][m] < cell["twin"][b][m]) == LOWER_IS_BETTER[m]
-                            entry_r.update({"paced_better": a if paced_a else b, "twin_better": a if twin_a else b,
-                                            "agrees": paced_a == twin_a})
+                            tie = abs(rel(cell["twin"][a][m], cell["twin"][b][m])) < 1e-6
+                            entry_r.update({"paced_better": a if paced_a else b,
+                                            "twin_better": "neither (a tie)" if tie else (a if twin_a else b),
+                                            "agrees": not tie and paced_a == twin_a})
                         ranking.append(entry_r)
     judged_pairs = [r for r in ranking if r["judged"]]
     agree = sum(r["agrees"] for r in judged_pairs)
