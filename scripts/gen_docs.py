@@ -331,6 +331,75 @@ def ordering_twin_table() -> str:
     return _table(["Trace", "Load", "FCFS mean / p99 e2e s", "Best deployable family (mean e2e)",
                    "its mean / p99 e2e vs FCFS", "its mean TTFT vs FCFS", "`oracle-cost` mean / p99 vs FCFS"], rows)
 
+#: The twin held to the paced engine (benchmarks/twin_vs_paced.py).
+TWIN_VS_PACED_RESULT = REPO / "benchmarks" / "results" / "twin_vs_paced.json"
+_TVP_METRICS = (("mean_e2e", "mean e2e s"), ("p99_e2e", "p99 e2e s"), ("mean_ttft", "mean TTFT s"),
+                ("throughput", "req/s"))
+
+
+def _twin_vs_paced() -> dict[str, Any]:
+    import json
+
+    try:
+        data: dict[str, Any] = json.loads(TWIN_VS_PACED_RESULT.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise GenerationError(f"cannot read {TWIN_VS_PACED_RESULT.relative_to(REPO)}: {exc}") from None
+    return data
+
+
+def twin_vs_paced_table() -> str:
+    """Every cell of the twin against the paced engine: both figures, the error, the targets met,
+    FCFS served twice against itself, and the paced engine's late-step share and the machine's load."""
+    data = _twin_vs_paced()
+    rows = []
+    for c in data["cells"]:
+        twin, paced, errors = c["twin"], c["paced"], c["errors"]
+        missed = [label.split(" s")[0] for metric, label in _TVP_METRICS if not c["pass"][metric]]
+        repeat = c.get("repeat")
+        rows.append((
+            c["trace"], f"{c['load']:.0%}", _code(c["run"]),
+            *(f"{twin[m]:.2f} / {paced[m]:.2f} ({errors[m] * 100:+.1f}%)" if m != "throughput" else
+              f"{twin[m]:.3f} / {paced[m]:.3f} ({errors[m] * 100:+.1f}%)" for m, _ in _TVP_METRICS),
+            "yes" if not missed else "no (" + ", ".join(missed) + ")",
+            "" if c["run"] != "fcfs" or not repeat else " / ".join(f"{repeat[m] * 100:.1f}%" for m, _ in _TVP_METRICS),
+            f"{paced['late_share'] * 100:.1f}%",
+            "-" if "speed" not in paced else f"{(paced['speed'] - 1) * 100:+.1f}%",
+            "-" if not c.get("errors_at_run_speed") else " / ".join(
+                f"{c['errors_at_run_speed'][m] * 100:+.1f}%" for m, _ in _TVP_METRICS),
+            f"{paced['loadavg_start']:.1f}-{paced['loadavg_end']:.1f}",
+        ))
+    return _table(["Trace", "Load", "Run", *(f"{label}: twin / paced (error)" for _, label in _TVP_METRICS),
+                   "Targets met", "FCFS vs FCFS (the 4 figures)", "Late steps", "Paced steps vs model",
+                   "Twin at the run's step speed: errors (the 4 figures)", "Load average"], rows)
+
+
+def twin_vs_paced_ordering_table() -> str:
+    """Each family against FCFS on the same arrivals, as the twin predicts it and as the paced engine
+    serves it, beside the paced engine's FCFS-against-itself difference."""
+    data = _twin_vs_paced()
+    by_cell: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
+    for c in data["cells"]:
+        by_cell.setdefault((c["trace"], c["load"]), {})[c["run"]] = c
+    rows = []
+    for (trace, load), runs in by_cell.items():
+        fcfs = runs.get("fcfs")
+        if fcfs is None:
+            continue
+        repeat = fcfs.get("repeat") or {}
+        for run, c in runs.items():
+            if c["family"] == "fcfs":
+                continue
+            cells = []
+            for metric in ("mean_e2e", "p99_e2e", "mean_ttft"):
+                twin = _change(c["twin"][metric], fcfs["twin"][metric])
+                paced = _change(c["paced"][metric], fcfs["paced"][metric])
+                cells.append(f"{twin} / {paced}")
+            noise = repeat.get("mean_e2e")
+            rows.append((trace, f"{load:.0%}", _code(run), *cells, "-" if noise is None else f"{noise * 100:.1f}%"))
+    return _table(["Trace", "Load", "Family", "mean e2e vs FCFS: twin / paced", "p99 e2e vs FCFS: twin / paced",
+                   "mean TTFT vs FCFS: twin / paced", "paced FCFS vs itself, mean e2e"], rows)
+
+
 FAIRNESS_RESULT = REPO / "benchmarks" / "results" / "fairness.json"
 
 
@@ -685,6 +754,8 @@ TABLES: dict[str, Generated] = {
     "recipe-labels-sim": Generated("sim.md", recipe_labels_table),
     "ordering-twin": Generated("ordering.md", ordering_twin_table),
     "fairness-twin": Generated("ordering.md", fairness_twin_table),
+    "twin-vs-paced": Generated("sim.md", twin_vs_paced_table),
+    "twin-vs-paced-ordering": Generated("ordering.md", twin_vs_paced_ordering_table),
     "recipe-api": Generated("clients.md", recipe_api_table),
     "api-efforts": Generated("clients.md", efforts_table),
     "api-errors": Generated("clients.md", api_errors_table),
