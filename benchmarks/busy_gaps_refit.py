@@ -24,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.predict_cpu import AGAIN, METRICS, cli, error, metrics, read_jsonl, sim_args  # noqa: E402
+from benchmarks.harness import request_figures  # noqa: E402
+from benchmarks.predict_cpu import AGAIN, METRICS, cli, error, read_jsonl, sim_args  # noqa: E402
 from carbonforge_runtime.offline.replay.trace import write_jsonl  # noqa: E402
 
 #: A longer gap than this between two steps is not the engine core's own work.
@@ -72,7 +73,7 @@ def main() -> int:
             records = refit / f"sim-{family}.requests.jsonl"
             cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv, refit / "model.yaml"),
                  "-o", str(refit / f"sim-{family}.json"), "--records", str(records)], work)
-            predicted[family] = metrics(read_jsonl(records))
+            predicted[family] = request_figures(read_jsonl(records))
         pred = predicted[family]
         print(f"{run}: " + ", ".join(f"{label} {pred[m]:.3f} / {real[run][m]:.3f} ({error(pred[m], real[run][m]):+.0%})"
                                      for m, label in METRICS))

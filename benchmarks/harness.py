@@ -24,6 +24,7 @@ import functools
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -51,6 +52,22 @@ def log(text: str) -> None:
 
 
 # -- percentiles ------------------------------------------------------------------------------------
+
+
+def request_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean and p99 e2e and mean TTFT (seconds), and throughput (requests a second from the first
+    arrival to the last completion) of the requests that finished, read alike from the runtime's
+    trace records and from sim's per-request records."""
+    done = [r for r in records if r.get("finish_reason") in ("length", "stop") and r.get("e2e_latency_s") is not None]
+    if not done:
+        nan = float("nan")
+        return {"n": 0.0, "mean_e2e": nan, "p99_e2e": nan, "mean_ttft": nan, "throughput": nan}
+    e2e = [float(r["e2e_latency_s"]) for r in done]
+    ttft = [float(r["ttft_s"]) for r in done if r.get("ttft_s") is not None]
+    span = max(float(r["t_completion"]) for r in done) - min(float(r["t_arrival"]) for r in done)
+    return {"n": float(len(done)), "mean_e2e": statistics.fmean(e2e), "p99_e2e": percentile(e2e, 0.99),
+            "mean_ttft": statistics.fmean(ttft) if ttft else float("nan"),
+            "throughput": len(done) / span if span > 0 else float("nan")}
 
 
 def percentile(values: Iterable[float], q: float) -> float:

@@ -81,6 +81,7 @@ from benchmarks.harness import (  # noqa: E402
     lower_engine_core,
     percentile,
     pin_processes,
+    request_figures,
     runtime,
     tiny_model_dir,
     tiny_served_name,
@@ -299,24 +300,6 @@ class Engine:
 # -- metrics ------------------------------------------------------------------------------------------
 
 
-def metrics(records: list[dict[str, Any]]) -> dict[str, float]:
-    """The same figures from the runtime's trace records and from sim's per-request records."""
-    done = [r for r in records if r.get("finish_reason") in ("length", "stop") and r.get("e2e_latency_s") is not None]
-    if not done:
-        nan = float("nan")
-        return {"n": 0.0, "mean_e2e": nan, "p99_e2e": nan, "mean_ttft": nan, "throughput": nan}
-    e2e = [float(r["e2e_latency_s"]) for r in done]
-    ttft = [float(r["ttft_s"]) for r in done if r.get("ttft_s") is not None]
-    span = max(r["t_completion"] for r in done) - min(r["t_arrival"] for r in done)
-    return {
-        "n": float(len(done)),
-        "mean_e2e": statistics.fmean(e2e),
-        "p99_e2e": percentile(e2e, 0.99),
-        "mean_ttft": statistics.fmean(ttft) if ttft else float("nan"),
-        "throughput": len(done) / span if span > 0 else float("nan"),
-    }
-
-
 def completion_rate(records: list[dict[str, Any]]) -> float:
     span = max(r["t_completion"] for r in records) - min(r["t_arrival"] for r in records)
     return len(records) / span
@@ -358,11 +341,11 @@ def phase_calibrate(work: Path, args: argparse.Namespace) -> None:
         started = time.monotonic()
         records = engine.replay(work / "trace-a.jsonl", rate=rate_a)
         log(f"calibrate: A replayed in {time.monotonic() - started:.0f} s: {len(records)} records, "
-            f"mean e2e {metrics(records)['mean_e2e']:.3f} s")
+            f"mean e2e {request_figures(records)['mean_e2e']:.3f} s")
     (work / "calibrate-run.json").write_text(json.dumps({
         "capacity_burst_rps": capacity, "rate_a": rate_a,
         "kv_tokens_engine_log": kv_engine,
-        "real_a": metrics(records)}, indent=1))
+        "real_a": request_figures(records)}, indent=1))
 
 
 def phase_fit(work: Path, args: argparse.Namespace) -> None:
@@ -410,7 +393,7 @@ def phase_predict(work: Path, args: argparse.Namespace, families: list[str]) -> 
         out = work / f"sim-{family}.json"
         cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv), "-o", str(out),
              "--records", str(work / f"sim-{family}.requests.jsonl")], work)
-        predicted["families"][family] = metrics(read_jsonl(work / f"sim-{family}.requests.jsonl"))
+        predicted["families"][family] = request_figures(read_jsonl(work / f"sim-{family}.requests.jsonl"))
         m = predicted["families"][family]
         log(f"predict: {family}: mean e2e {m['mean_e2e']:.3f} s, p99 {m['p99_e2e']:.3f} s, "
             f"TTFT {m['mean_ttft']:.3f} s, {m['throughput']:.2f} req/s")
@@ -438,7 +421,7 @@ def phase_real(work: Path, args: argparse.Namespace, families: list[str]) -> Non
             records = engine.replay(work / "trace-b.jsonl", sent=work / f"real-{run}" / "sent.jsonl")
         write_jsonl(work / f"real-{run}" / "records.jsonl", sorted(records, key=lambda r: r["t_arrival"]))
         (work / f"real-{run}" / "warmup-lines.txt").write_text(f"{warm_steps}\n")
-        results[run] = metrics(records)
+        results[run] = request_figures(records)
         m = results[run]
         log(f"real: {run}: {m['n']:.0f} done in {time.monotonic() - started:.0f} s: mean e2e {m['mean_e2e']:.3f} s, "
             f"p99 {m['p99_e2e']:.3f} s, TTFT {m['mean_ttft']:.3f} s, {m['throughput']:.2f} req/s")
@@ -491,7 +474,7 @@ def calibrate_locally(work: Path, engine: Engine, steps: Path, run: str, family:
     out = work / f"local-sim-{run}.requests.jsonl"
     cli(["sim", str(work / "trace-b.jsonl"), *sim_args(work, family, kv, model),
          "-o", str(work / f"local-sim-{run}.json"), "--records", str(out)], work)
-    predicted = metrics(read_jsonl(out))
+    predicted = request_figures(read_jsonl(out))
     speed = window_ratio(local_log, yaml_coefficients(work / "model.yaml"), started, until)[0]
     log(f"  calibrated again on this engine ({len(window) - 1} steps of A, {fit}; the first model prices them at "
         f"{1 / speed:.2f}x their wall time): the twin predicts mean e2e {predicted['mean_e2e']:.3f} s, "
@@ -579,7 +562,7 @@ def phase_engine_side(work: Path, args: argparse.Namespace, families: list[str])
             stem = f"engine-side-{run}" if name == "predicted" else f"run-speed-{run}"
             cli(["sim", str(trace), *sim_args(work, family, kv, model), "-o", str(work / f"{stem}.json"),
                  "--records", str(work / f"{stem}.requests.jsonl")], work)
-            result[name] = metrics(read_jsonl(work / f"{stem}.requests.jsonl"))
+            result[name] = request_figures(read_jsonl(work / f"{stem}.requests.jsonl"))
         out[run] = result
         log(f"engine-side: {run}: " + ("" if sm is None else
             f"the model on the run's {sm['steps']:.0f} steps: total {sm['sum_ratio']:.2f}x the wall time, mean "

@@ -55,7 +55,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -75,7 +74,7 @@ from benchmarks.harness import (  # noqa: E402
     free_port,
     jsonl_records,
     log,
-    percentile,
+    request_figures,
     runtime,
 )
 
@@ -135,22 +134,7 @@ def twin_metrics(run: Any) -> dict[str, float]:
     records = [{"t_arrival": o.arrival_s, "t_completion": o.completion_s, "e2e_latency_s": o.completion_s - o.arrival_s,
                 "ttft_s": None if o.first_token_s is None else o.first_token_s - o.arrival_s,
                 "finish_reason": "length"} for o in run.outcomes if o.completion_s is not None]
-    return metrics(records)
-
-
-def metrics(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Mean and p99 e2e, mean TTFT (seconds), throughput (requests a second over first arrival to
-    last completion), from the runtime's trace records or the twin's outcomes alike."""
-    done = [r for r in records if r.get("finish_reason") in ("length", "stop") and r.get("e2e_latency_s") is not None]
-    if not done:
-        nan = float("nan")
-        return {"n": 0.0, "mean_e2e": nan, "p99_e2e": nan, "mean_ttft": nan, "throughput": nan}
-    e2e = [float(r["e2e_latency_s"]) for r in done]
-    ttft = [float(r["ttft_s"]) for r in done if r.get("ttft_s") is not None]
-    span = max(float(r["t_completion"]) for r in done) - min(float(r["t_arrival"]) for r in done)
-    return {"n": float(len(done)), "mean_e2e": statistics.fmean(e2e), "p99_e2e": percentile(e2e, 0.99),
-            "mean_ttft": statistics.fmean(ttft) if ttft else float("nan"),
-            "throughput": len(done) / span if span > 0 else float("nan")}
+    return request_figures(records)
 
 
 def scaled_metrics(m: dict[str, float], slowdown: float) -> dict[str, float]:
@@ -339,7 +323,7 @@ def run_engines(work: Path, predicted: dict[str, Any], slowdown: float, wanted: 
                 records, errors = engine.serve(cell["arrivals"], salt)
                 wall = time.monotonic() - t0
                 steps1, late1 = engine.counters()
-                m = scaled_metrics(metrics(records), slowdown)
+                m = scaled_metrics(request_figures(records), slowdown)
                 steps, late = steps1 - steps0, late1 - late0
                 row = {**m, "steps": steps, "late_steps": late, "late_share": late / steps if steps else 0.0,
                        "loadavg_start": load0, "loadavg_end": loadavg(), "wall_s": wall, "errors": errors,
