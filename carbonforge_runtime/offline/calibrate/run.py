@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, Protocol
 
 from carbonforge_runtime.core.twin_data import SimError
 from carbonforge_runtime.errors import CarbonForgeError, UsageError
+from carbonforge_runtime.files import probe_writable
 from carbonforge_runtime.offline.calibrate import design
 from carbonforge_runtime.offline.calibrate.design import (
     CALIBRATION,
@@ -124,9 +124,7 @@ def check_inputs(context_key: str, output_dir: Path, budget: str, environ: Mappi
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output-dir {output_dir} is not a directory", fix)
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".calibrate-probe-"):
-            pass
+        probe_writable(output_dir)
     except OSError as exc:
         raise UsageError(f"--output-dir {output_dir} cannot be written ({exc.strerror or exc})", fix) from None
     try:
