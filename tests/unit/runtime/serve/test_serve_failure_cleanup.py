@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import secrets
+import shutil
 import signal
 import socket
 import tempfile
@@ -38,6 +39,17 @@ def feed_folders() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "cf-metrics-*")))
 
 
+@pytest.fixture
+def own_tempdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The feed folder is made under tempfile's directory: give this test one of its own, since other
+    test workers make and remove cf-metrics-* folders in the shared one at the same time. It is short,
+    as the feed's Unix socket path must fit in 108 bytes."""
+    folder = tempfile.mkdtemp(prefix="cft-")
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def our_threads() -> list[threading.Thread]:
     """The runtime's own threads, and the Prometheus endpoint's (prometheus_client names none)."""
     return [t for t in threading.enumerate() if t.is_alive() and (t.name in OURS or "serve_forever" in t.name)]
@@ -52,7 +64,7 @@ def port_free(port: int) -> bool:
         return True
 
 
-def test_a_busy_watch_port_leaves_no_metrics_thread_socket_or_feed_folder(tmp_path: Path,
+def test_a_busy_watch_port_leaves_no_metrics_thread_socket_or_feed_folder(tmp_path: Path, own_tempdir: None,
                                                                            signals_restored: None) -> None:
     metrics_port, watch_port = free_port(), free_port()
     env = {
