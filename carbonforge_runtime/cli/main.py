@@ -156,7 +156,8 @@ def serve(
     trace_endpoint: str | None = typer.Option(None, "--trace-endpoint", help="OTLP collector URL."),
     trace_format: str | None = typer.Option(None, "--trace-format", help="Format for --trace-endpoint: otlp."),
     step_log: str | None = typer.Option(None, "--step-log",
-                                        help="Append one JSON line per engine step here (for sim-calibrate)."),
+                                        help="Append one JSON line per engine step and per new request here "
+                                        "(for sim-calibrate)."),
     metrics: bool = typer.Option(False, "--metrics",
                                  help="Serve Prometheus metrics on CF_METRICS_PORT (default 9105)."),
     dry_run: bool = typer.Option(False, "--dry-run",

@@ -9,12 +9,18 @@ step-time model stands in for the forward pass. A step costs
 where ``kv_read_tokens`` sums the context of every decoding request and the attention term sums
 over every prompt chunk the step computes (``context`` is what was already computed before it).
 Models are versioned YAML files (:mod:`carbonforge_runtime.core.step_models`).
+
+A model may also carry the host's *admission delay*: the time from the API server's arrival stamp
+(vLLM's ``Request.arrival_time``, taken when rendering and tokenisation start) to the moment the
+request is in the engine core's input queue, ready to be taken in at the next step boundary. It is
+``base + per_prompt_token * prompt_tokens`` milliseconds of host time (:func:`admission_delay_s`),
+zero unless a model says otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from carbonforge_runtime.errors import UsageError
@@ -101,13 +107,21 @@ class StepCostModel:
     proxy: bool = False
     scaling_rule: str | None = None
     source: str = ""  # the file it was read from
+    #: The host's admission delay (see the module's description), in milliseconds of host time: the
+    #: API server's and the engine core's own work, not a GPU's, so a slowdown of the steps leaves it alone.
+    admission_base_ms: float = 0.0
+    admission_per_prompt_token_ms: float = 0.0
+
+    @property
+    def has_admission_delay(self) -> bool:
+        return self.admission_base_ms > 0.0 or self.admission_per_prompt_token_ms > 0.0
 
     def describe(self) -> str:
         text = f"{self.name} v{self.version} ({self.gpu}, TP {self.tensor_parallel_size})"
         return text + (" [PROXY: " + (self.scaling_rule or "scaled from another model") + "]" if self.proxy else "")
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name, "version": self.version, "gpu": self.gpu,
             "tensor_parallel_size": self.tensor_parallel_size,
             "coefficients_ms": {"floor": self.floor_ms, "per_batched_token": self.per_batched_token_ms,
@@ -116,6 +130,13 @@ class StepCostModel:
             "kv_capacity_tokens": self.kv_capacity_tokens, "proxy": self.proxy, "scaling_rule": self.scaling_rule,
             "provenance": self.provenance,
         }
+        if self.has_admission_delay:  # absent when zero, so results without a delay stay as they were
+            out["admission_delay_ms"] = {"base": self.admission_base_ms,
+                                         "per_prompt_token": self.admission_per_prompt_token_ms}
+        return out
+
+    def without_admission_delay(self) -> StepCostModel:
+        return replace(self, admission_base_ms=0.0, admission_per_prompt_token_ms=0.0)
 
 
 def step_time_s(model: StepCostModel, batched_tokens: int, kv_read_tokens: int, attention_units: float) -> float:
@@ -123,6 +144,11 @@ def step_time_s(model: StepCostModel, batched_tokens: int, kv_read_tokens: int, 
     ms = (max(model.floor_ms, model.per_batched_token_ms * batched_tokens)
           + model.per_kv_token_read_ms * kv_read_tokens + model.attention_ms * attention_units + model.overhead_ms)
     return ms / 1000.0
+
+
+def admission_delay_s(model: StepCostModel, prompt_tokens: int) -> float:
+    """Seconds of host time from a request's arrival stamp until the engine core can take it in."""
+    return (model.admission_base_ms + model.admission_per_prompt_token_ms * prompt_tokens) / 1000.0
 
 
 @dataclass(slots=True)

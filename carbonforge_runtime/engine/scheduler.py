@@ -9,7 +9,8 @@ chunk it schedules through it last, and the tenants' prompt budgets of a step ar
 (:meth:`_CarbonForgeMixin._reserve_prefill_lookahead`; a unit test fails if vLLM stops calling it).
 Per step it does a handful of attribute writes plus work proportional to the requests admitted
 or finished in that step (with the step log on, two clock reads, a dict write and pop and one
-append: :mod:`~carbonforge_runtime.engine.step_log`); records leave through
+append, and per new request two clock reads and one append:
+:mod:`~carbonforge_runtime.engine.step_log`); records leave through
 :class:`~carbonforge_runtime.engine.trace_writer.TraceWriter`, which never blocks the loop. A
 family that reorders replaces ``self.waiting`` with :class:`ScoredQueue`.
 
@@ -294,6 +295,7 @@ class _CarbonForgeMixin:
 
     # Attributes of vLLM's Scheduler this mixin uses (declared for the type checker).
     running: list[Request]
+    requests: dict[str, Request]
     waiting: Any
     kv_holding_waiting: Any
     finished_req_ids: set[str]
@@ -506,7 +508,12 @@ class _CarbonForgeMixin:
     # --- hooks -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        steps = self._cf_steps
+        if steps is not None and request.request_id in self.requests:
+            steps = None  # a streaming session's next input, not a new request
         super().add_request(request)  # type: ignore[misc]
+        if steps is not None:  # when it entered the scheduler, against its arrival stamp (step_log.py)
+            steps.added(request.arrival_time, request.num_prompt_tokens, time.time(), time.monotonic())
         if self._cf_track and request.request_id not in self._cf_live and not request.is_finished():
             self._cf_live[request.request_id] = _Live(request)
         self._cf_counters.requests_arrived_total += 1

@@ -1,8 +1,10 @@
-"""The engine's step log: one JSON line per engine step, for fitting a step-time model
-(``carbonforge-runtime sim-calibrate``). Off unless the engine contract has a ``step_log`` part.
+"""The engine's step log: one JSON line per engine step (and one per new request), for fitting a
+step-time model (``carbonforge-runtime sim-calibrate``). Off unless the engine contract has a
+``step_log`` part.
 
-On the engine loop the scheduler calls two hooks: :meth:`StepLog.scheduled` (one dict write) and
-:meth:`StepLog.updated` (a dict pop, a few compares and one tuple append to the writer's intake).
+On the engine loop the scheduler calls three hooks: :meth:`StepLog.scheduled` (one dict write),
+:meth:`StepLog.updated` (a dict pop, a few compares and one tuple append to the writer's intake) and,
+for every new request, :meth:`StepLog.added` (a few compares and one append).
 The tuple holds vLLM's own ``SchedulerOutput`` of the step: everything a line reports is read from
 it on the writer's builder thread, never on the loop. That output is built fresh for every step
 and holds each scheduled request's context as it was before the step (``num_computed_tokens`` of
@@ -36,6 +38,21 @@ Line kinds (``kind``):
   ``chunk * (context + chunk / 2)`` over the prompt chunks) and ``context_tokens`` (the context of
   every scheduled request). The split between decoding and prompt work is the twin's
   (:mod:`carbonforge_runtime.engine.twin`), so a fit of these terms is a fit of its model.
+- ``request``: one per new request the scheduler receives (``add_request``): ``t_arrival`` (vLLM's
+  arrival stamp, taken in the API server as rendering starts), ``t_added`` (Unix time when the
+  scheduler received it), ``intake_window_s`` and ``prompt_tokens``. They measure the host's
+  admission delay (:func:`carbonforge_runtime.core.twin_data.admission_delay_s`).
+
+**Admission.** The engine core's input thread queues a request as soon as the API server hands it
+over; the engine loop takes queued requests in only between two steps (and at once while it waits
+for work). So ``t_added`` is where a request entered the scheduler, not where it reached the engine
+core: that was at most ``intake_window_s`` earlier, after the loop last took requests in. The window
+is 0 when the engine had been waiting for work (longer than :data:`INTAKE_WAKE_S`) and took the
+request in at once; otherwise it runs from the last ``schedule()`` entered (the loop takes requests
+in just before it schedules). The host's delay of a request is therefore between
+``t_added - intake_window_s - t_arrival`` and ``t_added - t_arrival``; the wait for a step boundary
+is the twin's own (it lets requests in only between steps), so the fit
+(:func:`carbonforge_runtime.offline.sim.calibrate.fit_admission`) takes only the delay before it.
 """
 
 from __future__ import annotations
@@ -53,6 +70,10 @@ LABEL = "step log"
 #: Steps scheduled and not yet ended that the log remembers (one or two in flight normally; more
 #: only when outputs never reach ``update_from_output``, e.g. after an engine error).
 MAX_OPEN_STEPS = 64
+#: After the engine ran out of work, the time its loop may take to get back to waiting on its input
+#: queue: a request taken in within it may have been queued during the last step; one taken in later
+#: reached the engine core just then (the loop was waiting, and takes a request in as it comes).
+INTAKE_WAKE_S = 0.02
 
 
 def step_terms(output: Any) -> tuple[int, int, int, float, int]:
@@ -103,6 +124,25 @@ def step_record(output: Any, start: float, end: float, number: int, engine: int,
     }
 
 
+def request_record(arrival: float, prompt_tokens: int, added_unix: float, window: float,
+                   engine: int) -> dict[str, Any]:
+    """The line of one request the scheduler received (on the writer thread)."""
+    return {"kind": "request", "engine": engine, "t_arrival": round(arrival, 6), "t_added": round(added_unix, 6),
+            "intake_window_s": round(max(window, 0.0), 7), "prompt_tokens": prompt_tokens}
+
+
+class _Added:
+    """A request received, as the loop hands it to the writer."""
+
+    __slots__ = ("added_unix", "arrival", "prompt_tokens", "window")
+
+    def __init__(self, arrival: float, prompt_tokens: int, added_unix: float, window: float) -> None:
+        self.arrival = arrival
+        self.prompt_tokens = prompt_tokens
+        self.added_unix = added_unix
+        self.window = window
+
+
 class StepLogWriter(TraceWriter):
     def shutdown_summary(self) -> str:
         per_sink = ", ".join(f"{w.sink.name}: {w.stats.written} written, {w.stats.dropped} dropped"
@@ -128,6 +168,11 @@ class StepLog:
         self._last_end = float("-inf")
         self._busy_at_last_end = False
         self.steps = 0
+        #: Monotonic time since which a request being taken in may have waited in the engine core's
+        #: input queue (see the module's description), and since when the engine has been out of
+        #: work (None while it has work). It starts out of work.
+        self._intake_from = clock()
+        self._idle_since: float | None = self._intake_from
 
     def start(self, header: Mapping[str, Any]) -> StepLog:
         self.writer.start()
@@ -138,6 +183,8 @@ class StepLog:
     def _build(self, item: Any) -> dict[str, Any]:
         if isinstance(item, dict):
             return item
+        if isinstance(item, _Added):
+            return request_record(item.arrival, item.prompt_tokens, item.added_unix, item.window, self.engine)
         output, start, end, number = item
         return step_record(output, start, end, number, self.engine, self._unix_offset)
 
@@ -148,6 +195,8 @@ class StepLog:
         if len(starts) >= MAX_OPEN_STEPS:
             starts.clear()
         starts[id(output)] = entered
+        self._intake_from = entered  # the loop took requests in just before it scheduled
+        self._idle_since = None
 
     def updated(self, output: Any, ended: float, busy: bool) -> None:
         """``busy``: the engine has unfinished requests after this step (it goes straight on)."""
@@ -158,9 +207,21 @@ class StepLog:
             start = self._last_end
         self._last_end = ended
         self._busy_at_last_end = busy
+        if not busy:
+            self._idle_since = ended
         if output.total_num_scheduled_tokens:
             self.steps += 1
             self.writer.submit((output, start, ended, self.steps))
+
+    def added(self, arrival: float, prompt_tokens: int, added_unix: float, now: float) -> None:
+        """A new request entered the scheduler: ``arrival`` is its arrival stamp, ``added_unix`` and
+        ``now`` the time it entered (Unix and monotonic)."""
+        idle = self._idle_since
+        if idle is not None:
+            self._idle_since = None
+            if now - idle > INTAKE_WAKE_S:  # the loop was waiting for work: it took this one in as it came
+                self._intake_from = now
+        self.writer.submit(_Added(arrival, prompt_tokens, added_unix, now - self._intake_from))
 
     # -- shutdown --
 

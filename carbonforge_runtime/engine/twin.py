@@ -4,7 +4,10 @@ No model runs. Each step, vLLM's own ``Scheduler.schedule()`` admits, chunks, al
 finds prefix-cache hits and preempts, exactly as in the engine; a step-time model
 (:func:`carbonforge_runtime.core.twin_data.step_time_s`) says how long the forward pass would take; a
 hand-made model output hands each request whose prompt is complete one token (a request part-way
-through its prompt gets none). Arrivals enter at step boundaries, as in the engine core. With
+through its prompt gets none). Arrivals enter at step boundaries, as in the engine core, and no
+sooner than the step-time model's host admission delay after their arrival stamp
+(:func:`~carbonforge_runtime.core.twin_data.admission_delay_s`: the API server's rendering and
+tokenisation and the hand-over to the engine core; zero unless the model has one). With
 asynchronous scheduling (vLLM's GPU default) one step stays in flight: step k+1 is scheduled
 before step k's output is applied, and starts when step k ends.
 
@@ -39,6 +42,7 @@ from carbonforge_runtime.core.twin_data import (
     StepCostModel,
     TwinRun,
     TwinSettings,
+    admission_delay_s,
 )
 from carbonforge_runtime.engine.scheduler import TRUE_OUTPUT_TOKENS_ARG, ScoredQueue, make_scheduler
 
@@ -179,6 +183,10 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
              progress: Callable[[int, int, float], None] | None = None, *, fast_forward: bool = True) -> TwinRun:
     """Replay ``requests`` (in arrival order) through the scheduler; one outcome per request, in order.
 
+    A request enters the scheduler at the first step boundary at or after its arrival plus the
+    model's admission delay (its latencies still count from its arrival); with a delay that grows
+    with the prompt, a short prompt may enter before a long one that arrived just before it.
+
     ``progress(completed, total, virtual_now)`` is called every :data:`PROGRESS_EVERY_STEPS` steps.
 
     ``fast_forward`` skips vLLM's per-request work in stretches of steps whose course is known in
@@ -212,6 +220,14 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
     next_sample = 0.0
 
     total = len(requests)
+    # When each request can enter, and the order in which they enter (ties in arrival order).
+    if cost.has_admission_delay:
+        ready = [r.arrival_s + admission_delay_s(cost, r.prompt_tokens) for r in requests]
+        order = sorted(range(total), key=lambda i: (ready[i], i))
+        ready_at = [ready[i] for i in order]
+    else:
+        order = list(range(total))
+        ready_at = [r.arrival_s for r in requests]
     arrived = 0
     completed = 0
     steps = 0
@@ -224,8 +240,9 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
 
     def admit(until: float) -> None:
         nonlocal arrived
-        while arrived < total and requests[arrived].arrival_s <= until:
-            item = requests[arrived]
+        while arrived < total and ready_at[arrived] <= until:
+            position = order[arrived]
+            item = requests[position]
             rid = str(item.index)
             extra: dict[str, Any] = {TRUE_OUTPUT_TOKENS_ARG: item.output_tokens}
             if item.tenant is not None:
@@ -235,7 +252,7 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
             params = SamplingParams(max_tokens=item.output_tokens, ignore_eos=True, extra_args=extra)
             request = Request(rid, prompt_tokens(item), params, None, arrival_time=item.arrival_s,
                               block_hasher=hasher)
-            open_requests[rid] = (outcomes[arrived], request)
+            open_requests[rid] = (outcomes[position], request)
             scheduler.add_request(request)
             arrived += 1
 
@@ -352,7 +369,7 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
         fixed = max(floor, per_token * batched)
         taken = 0
         for step in range(1, most + 1):
-            if step > 1 and arrived < total and requests[arrived].arrival_s <= clock.now:
+            if step > 1 and arrived < total and ready_at[arrived] <= clock.now:
                 if not full:
                     break
                 admit(clock.now)
@@ -417,7 +434,7 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
                 continue
             if arrived >= total:
                 break
-            clock.now = max(clock.now, requests[arrived].arrival_s)
+            clock.now = max(clock.now, ready_at[arrived])
             continue
         if fast_forward and skip_decode_steps():
             continue
@@ -463,7 +480,7 @@ def run_twin(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepC
             idle_schedules += 1
             if idle_schedules > 2 and inflight is None and not scheduler.finished_req_ids:
                 if arrived < total:
-                    clock.now = max(clock.now, requests[arrived].arrival_s)
+                    clock.now = max(clock.now, ready_at[arrived])
                     idle_schedules = 0
                 else:
                     raise SimError(
@@ -509,10 +526,13 @@ CAPACITY_BURST = 2000
 def measure_capacity(requests: Sequence[SimRequest], settings: TwinSettings, cost: StepCostModel) -> float:
     """Steady-state capacity in requests a second: the first :data:`CAPACITY_BURST` requests all
     arrive at once, and the completion rate between the 10th and the 90th percentile completion
-    is the capacity (requests / makespan would understate it, counting the ramp and the tail)."""
+    is the capacity (requests / makespan would understate it, counting the ramp and the tail).
+
+    The host's admission delay is left out: it moves when requests enter, not how fast the engine
+    serves them, and with a per-token term it would reorder the burst by prompt length."""
     burst = [SimRequest(r.index, 0.0, r.prompt_tokens, r.output_tokens, r.blocks, r.block_tokens)
              for r in requests[:CAPACITY_BURST]]
-    run = run_twin(burst, settings, cost)
+    run = run_twin(burst, settings, cost.without_admission_delay())
     done = sorted(o.completion_s for o in run.outcomes if o.completion_s is not None)
     if len(done) < 10:
         raise SimError(f"too few requests ({len(done)}) to measure capacity", "pass at least 10 requests with --load")

@@ -5,7 +5,10 @@ read, no other I/O).
 A file holds ``name``, ``version``, ``gpu``, ``tensor_parallel_size``, ``coefficients_ms``
 (``floor``, ``per_batched_token``, ``per_kv_token_read``, ``attention``, ``overhead``),
 ``kv_capacity_tokens``, ``provenance``, and, for a model derived from figures of another model or
-GPU, ``proxy: true`` with its ``scaling_rule``.
+GPU, ``proxy: true`` with its ``scaling_rule``. A model fitted on a host may add
+``admission_delay_ms`` (``base``, ``per_prompt_token``): the host's delay from the API server's
+arrival stamp to the engine core (:func:`carbonforge_runtime.core.twin_data.admission_delay_s`);
+without it the delay is zero.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from carbonforge_runtime.core.twin_data import SimError, StepCostModel
 #: A step-time model is a few lines of YAML; anything far larger is not one.
 MAX_MODEL_BYTES = 64 * 1024
 _COEFFICIENTS = ("floor", "per_batched_token", "per_kv_token_read", "attention", "overhead")
+_ADMISSION = ("base", "per_prompt_token")
+_OPTIONAL = {"proxy", "scaling_rule", "admission_delay_ms"}
 _FIELDS = {"name", "version", "gpu", "tensor_parallel_size", "coefficients_ms", "kv_capacity_tokens", "provenance",
-           "proxy", "scaling_rule"}
+           *_OPTIONAL}
 
 
 def shipped_dir() -> Path:
@@ -98,13 +103,19 @@ def model_from_mapping(data: Any, path: Path) -> StepCostModel:
     unknown = sorted(str(k) for k in data if k not in _FIELDS)
     if unknown:
         raise _fail(path, f"unknown field(s) {', '.join(unknown[:5])}")
-    missing = sorted(k for k in _FIELDS - {"proxy", "scaling_rule"} if k not in data)
+    missing = sorted(k for k in _FIELDS - _OPTIONAL if k not in data)
     if missing:
         raise _fail(path, f"missing field(s) {', '.join(missing)}")
     coefficients = data["coefficients_ms"]
     if not isinstance(coefficients, dict) or set(coefficients) != set(_COEFFICIENTS):
         raise _fail(path, f"coefficients_ms must have exactly {', '.join(_COEFFICIENTS)}")
     c = {k: _number(path, f"coefficients_ms.{k}", coefficients[k]) for k in _COEFFICIENTS}
+    admission = data.get("admission_delay_ms")
+    delay = dict.fromkeys(_ADMISSION, 0.0)
+    if admission is not None:
+        if not isinstance(admission, dict) or set(admission) != set(_ADMISSION):
+            raise _fail(path, f"admission_delay_ms must have exactly {', '.join(_ADMISSION)}")
+        delay = {k: _number(path, f"admission_delay_ms.{k}", admission[k]) for k in _ADMISSION}
     proxy = data.get("proxy", False)
     if not isinstance(proxy, bool):
         raise _fail(path, "proxy must be true or false")
@@ -122,6 +133,7 @@ def model_from_mapping(data: Any, path: Path) -> StepCostModel:
         per_kv_token_read_ms=c["per_kv_token_read"], attention_ms=c["attention"], overhead_ms=c["overhead"],
         kv_capacity_tokens=_integer(path, "kv_capacity_tokens", data["kv_capacity_tokens"], minimum=16),
         provenance=provenance, proxy=proxy, scaling_rule=rule, source=str(path),
+        admission_base_ms=delay["base"], admission_per_prompt_token_ms=delay["per_prompt_token"],
     )
 
 

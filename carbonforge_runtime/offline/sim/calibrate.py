@@ -20,6 +20,16 @@ non-negative least-squares problem is the unconstrained optimum on its set of po
 A term the log never exercises (no decoding steps, no prompt chunks) has no data to fit: it is
 fixed at 0 and the output says so.
 
+The log's ``request`` lines give the host's admission delay
+(:func:`carbonforge_runtime.core.twin_data.admission_delay_s`: arrival stamp to the engine core's
+input queue), ``base + per_prompt_token * prompt_tokens`` milliseconds, fitted by
+:func:`fit_admission`. A request's delay is known exactly when the engine was waiting for work and
+took it in at once, and otherwise only to lie within its intake window (it waited in the engine
+core's queue for the end of a step, which the twin models itself). The fit minimises the squared
+distance of each predicted delay to its request's interval (zero inside it), with non-negative
+terms. A log without request lines (written before they existed) fits no delay, and the model
+file then has none.
+
 Everything here is deterministic: the same log and options give the same model file, byte for
 byte (the date in its provenance is the log's own, not the time of the fit).
 """
@@ -58,6 +68,11 @@ MAX_WALL_S = 3600.0
 MAX_KV_READ_TOKENS = 10**12
 MAX_ATTENTION_UNITS = 1e20
 TERMS = ("per_batched_token", "per_kv_token_read", "attention", "overhead")
+#: Requests read at most, and fewer than this fit no admission delay.
+MAX_REQUESTS = 1_000_000
+MIN_REQUESTS = 10
+#: Rounds of the admission delay's fit at most (it converges in a handful).
+ADMISSION_ROUNDS = 500
 #: Candidate knees: the batched tokens at these percentiles of the log (and no knee at all).
 KNEE_PERCENTILES = tuple(range(5, 100, 5))
 #: Rounds of a finer grid around the best knee.
@@ -77,6 +92,12 @@ class StepLogData:
     attention: array[float] = field(default_factory=lambda: array("d"))
     wall_ms: array[float] = field(default_factory=lambda: array("d"))
     headers: list[dict[str, Any]] = field(default_factory=list)
+    # The request lines (Unix seconds): arrival stamp, entry into the scheduler, intake window, prompt.
+    arrival: array[float] = field(default_factory=lambda: array("d"))
+    added: array[float] = field(default_factory=lambda: array("d"))
+    window: array[float] = field(default_factory=lambda: array("d"))
+    prompt: array[float] = field(default_factory=lambda: array("d"))
+    requests_skipped: int = 0  # request lines before the last step skipped by --skip-first
     first_t: float | None = None
     last_t: float | None = None
     logged: int = 0  # step lines in the file
@@ -128,6 +149,15 @@ def read_step_log(path: Path, skip_first: int = 0, max_steps: int = MAX_STEPS) -
                 if kind == "engine":
                     if len(data.headers) < 1000:
                         data.headers.append(record)
+                    continue
+                if kind == "request":
+                    if data.logged < skip_first:
+                        data.requests_skipped += 1
+                    elif len(data.added) < MAX_REQUESTS:
+                        data.prompt.append(_count(path, number, record, "prompt_tokens", MAX_REQUEST_TOKENS))
+                        data.window.append(_real(path, number, record, "intake_window_s", 0.0, MAX_WALL_S))
+                        data.arrival.append(_real(path, number, record, "t_arrival", 0.0, 1e11))
+                        data.added.append(_real(path, number, record, "t_added", 0.0, 1e11))
                     continue
                 if kind != "step":
                     raise _fail(path, number, f"is not a step-log line (kind {str(kind)[:40]!r}; a request "
@@ -289,6 +319,133 @@ def fit_steps(batched_tokens: Sequence[float], kv_read_tokens: Sequence[float], 
     )
 
 
+# ---- the host's admission delay ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdmissionFit:
+    """The admission delay fitted to a log's requests (milliseconds of host time)."""
+
+    base_ms: float
+    per_prompt_token_ms: float
+    requests: int
+    exact: int  # requests whose delay is known exactly (taken in by a waiting engine)
+    mean_ms: float  # the fitted delay, averaged over the requests
+    mean_to_scheduler_ms: float  # arrival stamp to entering the scheduler (the step boundary's wait included)
+    mean_miss_ms: float  # how far the fitted delays fall outside the requests' intervals, on average
+    #: Terms the log gave no data for (fixed at 0): the per-token term when every prompt had one length.
+    unfitted: tuple[str, ...] = ()
+
+    def coefficients(self) -> dict[str, float]:
+        return {"base": self.base_ms, "per_prompt_token": self.per_prompt_token_ms}
+
+
+def admission_intervals(data: StepLogData) -> tuple[Any, Any, Any]:
+    """(prompt tokens, shortest delay, longest delay) of every request line, delays in milliseconds:
+    the request reached the engine core's queue within its intake window before it entered the
+    scheduler, and not before its arrival stamp."""
+    import numpy as np
+
+    arrival = np.asarray(data.arrival, dtype=float)
+    added = np.asarray(data.added, dtype=float)
+    window = np.asarray(data.window, dtype=float)
+    high = np.maximum(added - arrival, 0.0) * 1000.0
+    low = np.minimum(np.maximum(added - window - arrival, 0.0) * 1000.0, high)
+    return np.asarray(data.prompt, dtype=float), low, high
+
+
+def fit_admission(prompt_tokens: Sequence[float] | Any, low_ms: Sequence[float] | Any,
+                  high_ms: Sequence[float] | Any) -> AdmissionFit | None:
+    """``base + per_prompt_token * prompt_tokens`` closest to every request's interval
+    ``[low_ms, high_ms]`` (squared distance, zero inside), both terms non-negative; None with fewer
+    than :data:`MIN_REQUESTS` requests.
+
+    The loss is convex and piecewise quadratic. Each round takes the better of two moves: the
+    least-squares fit to every prediction clipped into its interval (a majorise-minimise step, which
+    never increases the loss), and the exact minimum of the current quadratic piece (the requests
+    outside their intervals fitted to the nearer bound: a Newton step, which ends the search once
+    the set of those requests stops changing). It starts from the intervals' midpoints."""
+    import numpy as np
+
+    prompt = np.asarray(prompt_tokens, dtype=float)
+    low = np.asarray(low_ms, dtype=float)
+    high = np.asarray(high_ms, dtype=float)
+    n = len(prompt)
+    if not len(low) == len(high) == n:
+        raise ValueError("fit_admission needs columns of the same length")
+    if n < MIN_REQUESTS:
+        return None
+    varies = bool(prompt.max() > prompt.min())
+    x = np.stack([np.ones(n), prompt], axis=1) if varies else np.ones((n, 1))
+    scale = np.sqrt(np.mean(x * x, axis=0))
+    scale[scale == 0] = 1.0
+    xs = x / scale
+
+    def solve(rows: Any, target: Any) -> Any:
+        part = xs[rows]
+        solution, _ = _nnls_gram(part.T @ part, part.T @ target, float(target @ target))
+        return solution
+
+    def loss(beta: Any) -> float:
+        predicted = xs @ beta
+        miss = np.maximum(low - predicted, 0.0) + np.maximum(predicted - high, 0.0)
+        return float(miss @ miss)
+
+    everyone = np.ones(n, dtype=bool)
+    beta = solve(everyone, (low + high) / 2.0)
+    current = loss(beta)
+    for _ in range(ADMISSION_ROUNDS):
+        if current <= 0.0:
+            break
+        predicted = xs @ beta
+        candidates = [solve(everyone, np.clip(predicted, low, high))]
+        outside = (predicted < low) | (predicted > high)
+        if outside.any():
+            candidates.append(solve(outside, np.where(predicted < low, low, high)[outside]))
+        best = min(candidates, key=loss)
+        value = loss(best)
+        if value >= current - 1e-12 * max(current, 1e-12):
+            break
+        beta, current = best, value
+    coefficients = beta / scale
+    base = float(coefficients[0])
+    per_token = float(coefficients[1]) if varies else 0.0
+    predicted = base + per_token * prompt
+    miss = np.maximum(low - predicted, 0.0) + np.maximum(predicted - high, 0.0)
+    return AdmissionFit(base_ms=base, per_prompt_token_ms=per_token, requests=n, exact=int(np.sum(high - low <= 0.0)),
+                        mean_ms=float(predicted.mean()), mean_to_scheduler_ms=float(high.mean()),
+                        mean_miss_ms=float(miss.mean()), unfitted=() if varies else ("per_prompt_token",))
+
+
+def fit_log_admission(data: StepLogData) -> AdmissionFit | None:
+    """The admission delay of a log's request lines (None: too few, e.g. a log written before they existed)."""
+    return fit_admission(*admission_intervals(data))
+
+
+def admission_provenance(fit: AdmissionFit) -> str:
+    return (f" Admission delay (the API server's arrival stamp to the engine core's queue, host time) fitted to "
+            f"{fit.requests} requests ({fit.exact} taken in by a waiting engine, the rest known to within the time "
+            f"between two steps): {_yaml_float(fit.base_ms)} ms + {_yaml_float(fit.per_prompt_token_ms)} ms per "
+            f"prompt token, {fit.mean_ms:.3g} ms on average ({fit.mean_to_scheduler_ms:.3g} ms to the scheduler with "
+            f"the wait for a step boundary).")
+
+
+def format_admission(fit: AdmissionFit | None) -> str:
+    if fit is None:
+        return (f"admission delay  not fitted: fewer than {MIN_REQUESTS} request lines in the log (a log written "
+                "before they existed); the model has none")
+    rows = [("admission delay", f"{_yaml_float(fit.base_ms)} ms + {_yaml_float(fit.per_prompt_token_ms)} ms per "
+                                f"prompt token"),
+            ("requests", f"{fit.requests} ({fit.exact} known exactly)"),
+            ("mean delay", f"{fit.mean_ms:.3g} ms (to the scheduler {fit.mean_to_scheduler_ms:.3g} ms, "
+                           f"with the wait for a step boundary)"),
+            ("mean miss", f"{fit.mean_miss_ms:.3g} ms outside the requests' intervals")]
+    if fit.unfitted:
+        rows.append(("not in the log", "prompts of different lengths: per_prompt_token fixed at 0"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
 # ---- the model file ----------------------------------------------------------------------------
 
 
@@ -330,7 +487,8 @@ def engine_facts(headers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return facts
 
 
-def provenance(data: StepLogData, fit: Fit, facts: Mapping[str, Any], source: str) -> str:
+def provenance(data: StepLogData, fit: Fit, facts: Mapping[str, Any], source: str,
+               admission: AdmissionFit | None = None) -> str:
     engine = []
     if "vllm" in facts:
         engine.append(f"vLLM {facts['vllm']}")
@@ -352,12 +510,18 @@ def provenance(data: StepLogData, fit: Fit, facts: Mapping[str, Any], source: st
     if fit.unfitted:
         text += (f" The log has no steps that exercise {', '.join(fit.unfitted)}: fixed at 0, so the model "
                  "is only valid for steps like the logged ones.")
+    if admission is not None:
+        text += admission_provenance(admission)
     return text
 
 
-def model_text(fit: Fit, info: ModelInfo, provenance_text: str) -> str:
-    """The model as a YAML file in the shipped format (checked by the shipped loader)."""
+def model_text(fit: Fit, info: ModelInfo, provenance_text: str, admission: AdmissionFit | None = None) -> str:
+    """The model as a YAML file in the shipped format (checked by the shipped loader), with the
+    admission delay's section when one was fitted."""
     coefficients = fit.coefficients()
+    delay = [] if admission is None else [
+        "admission_delay_ms:  # host time: the API server's arrival stamp to the engine core's queue",
+        *[f"  {name}: {_yaml_float(value)}" for name, value in admission.coefficients().items()]]
     lines = [
         "# Step-time model fitted by carbonforge-runtime sim-calibrate from an engine's step log. "
         "Milliseconds per step.",
@@ -369,6 +533,7 @@ def model_text(fit: Fit, info: ModelInfo, provenance_text: str) -> str:
         *[f"  {name}: {_yaml_float(coefficients[name])}" for name in
           ("floor", "per_batched_token", "per_kv_token_read", "attention", "overhead")],
         f"kv_capacity_tokens: {info.kv_capacity_tokens}",
+        *delay,
         "proxy: false",
         yaml.safe_dump({"provenance": provenance_text}, allow_unicode=False, width=100).rstrip("\n"),
     ]

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from carbonforge_runtime.cli import main as cli
 from carbonforge_runtime.core.step_models import load_model_file, resolve_model, shipped_models
 from tests.unit.cli.test_sim_cli import KEY, mooncake
-from tests.unit.offline.test_calibrate import header, synthetic_steps, write_log
+from tests.unit.offline.test_calibrate import header, synthetic_requests, synthetic_steps, write_log
 
 runner = CliRunner()
 
@@ -48,6 +48,35 @@ def test_calibrate_writes_a_model_sim_takes(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["sim"]["cost_model"]["name"] == "h100-tp2-fitted" and doc["sim"]["proxy_cost_model"] is False
     assert doc["summary"]["ok"] == 20
+
+
+def test_request_lines_give_the_model_an_admission_delay_the_twin_adds(tmp_path: Path) -> None:
+    truth = shipped_models()["l4-tp1"]
+    old = write_log(tmp_path / "old.jsonl", [header(), *synthetic_steps(truth, 100, noise=0.0)])
+    new = write_log(tmp_path / "new.jsonl", [header(), *synthetic_steps(truth, 100, noise=0.0),
+                                             *synthetic_requests(3.0, 0.0005, 200)])
+    without = runner.invoke(cli.app, ["sim-calibrate", str(old), "-o", str(tmp_path / "old.yaml")])
+    assert without.exit_code == 0 and "admission delay  not fitted" in without.output
+    assert not load_model_file(tmp_path / "old.yaml").has_admission_delay
+    done = runner.invoke(cli.app, ["sim-calibrate", str(new), "-o", str(tmp_path / "new.yaml")])
+    assert done.exit_code == 0, done.output
+    assert "admission delay" in done.output and "200 (" in done.output
+    model = load_model_file(tmp_path / "new.yaml")
+    assert model.admission_base_ms == pytest.approx(3.0, rel=1e-3)
+    assert model.admission_per_prompt_token_ms == pytest.approx(0.0005, rel=1e-3)
+
+    pytest.importorskip("vllm")
+    trace = mooncake(tmp_path / "m.jsonl", count=10)
+    results = {}
+    for name in ("old", "new"):
+        out = tmp_path / f"{name}.json"
+        sim = runner.invoke(cli.app, ["sim", str(trace), "--context-key", KEY, "-o", str(out), "-q",
+                                      "--cost-model", str(tmp_path / f"{name}.yaml"), "--kv-tokens", "20000"])
+        assert sim.exit_code == 0, sim.output
+        results[name] = json.loads(out.read_text())
+    assert "admission_delay_ms" not in results["old"]["sim"]["cost_model"]
+    assert results["new"]["sim"]["cost_model"]["admission_delay_ms"]["base"] == pytest.approx(3.0, rel=1e-3)
+    assert results["new"]["sim"]["queue_wait_s"]["mean"] > results["old"]["sim"]["queue_wait_s"]["mean"] + 0.003
 
 
 def test_kv_size_and_parallel_size_from_options(tmp_path: Path) -> None:

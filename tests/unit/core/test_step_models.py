@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from carbonforge_runtime.core.step_models import load_model_file, resolve_model, shipped_models
-from carbonforge_runtime.core.twin_data import SimError, step_time_s
+from carbonforge_runtime.core.twin_data import SimError, admission_delay_s, step_time_s
 from carbonforge_runtime.recipes import load_recipes, recipe_dirs
 
 GOOD = """name: mine
@@ -49,6 +49,22 @@ def test_a_model_file_of_ones_own_is_read_and_named_models_are_found(tmp_path: P
         resolve_model(None, "cpu", 1)
 
 
+def test_the_admission_delay_is_an_optional_section_and_zero_without_it(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text(GOOD)
+    old = load_model_file(path)  # a file written before the section existed
+    assert (old.admission_base_ms, old.admission_per_prompt_token_ms, old.has_admission_delay) == (0.0, 0.0, False)
+    assert "admission_delay_ms" not in old.to_json()
+    assert all(not m.has_admission_delay for m in shipped_models().values())
+    path.write_text(GOOD + "admission_delay_ms: {base: 2.5, per_prompt_token: 0.0004}\n")
+    model = load_model_file(path)
+    assert (model.admission_base_ms, model.admission_per_prompt_token_ms) == (2.5, 0.0004)
+    assert model.to_json()["admission_delay_ms"] == {"base": 2.5, "per_prompt_token": 0.0004}
+    assert admission_delay_s(model, 1000) == pytest.approx(0.0029)
+    without = model.without_admission_delay()
+    assert not without.has_admission_delay and without.to_json() == old.to_json()
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("- a list\n", "not a YAML mapping"),
     (GOOD + "extra: 1\n", "unknown field"),
@@ -60,6 +76,10 @@ def test_a_model_file_of_ones_own_is_read_and_named_models_are_found(tmp_path: P
     ("a: &x 1\nb: *x\n", "aliases"),
     ("name: [unclosed\n", "not valid YAML"),
     ("x" * 70_000, "too large"),
+    (GOOD + "admission_delay_ms: {base: 2}\n", "admission_delay_ms must have exactly base, per_prompt_token"),
+    (GOOD + "admission_delay_ms: 3\n", "admission_delay_ms must have exactly"),
+    (GOOD + "admission_delay_ms: {base: -1, per_prompt_token: 0}\n", "admission_delay_ms.base"),
+    (GOOD + "admission_delay_ms: {base: 1, per_prompt_token: .nan}\n", "admission_delay_ms.per_prompt_token"),
 ])
 def test_malformed_model_files_are_refused(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "m.yaml"

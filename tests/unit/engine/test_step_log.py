@@ -56,7 +56,9 @@ def test_step_log_counts_a_chunked_prefill_by_hand(vllm_parts: dict[str, Any], m
     _step(engine, clock, 0.03125)
     engine.scheduler.shutdown()
 
-    header, *steps = _lines(path)
+    header, *lines = _lines(path)
+    steps = [line for line in lines if line["kind"] == "step"]
+    assert [line["prompt_tokens"] for line in lines if line["kind"] == "request"] == [300, 300, 84]
     assert header["kind"] == "engine" and header["kv_cache_tokens"] == 200 * 16
     assert header["max_num_batched_tokens"] == 512 and header["async_scheduling"] is False
     assert header["vllm"] == "0.32.0" and header["block_size"] == 16
@@ -119,7 +121,7 @@ def test_asynchronous_scheduling_counts_the_same_and_times_completions(
         ends.append(clock.now)
         inflight = following
     scheduler.shutdown()
-    _, *steps = _lines(path)
+    steps = [line for line in _lines(path) if line["kind"] == "step"]
     counts = [(s["batched_tokens"], s["prefill_tokens"], s["decode_tokens"], s["kv_read_tokens"],
                s["attention_units"]) for s in steps]
     assert counts == [(512, 512, 0, 0, 300 * 150 + 212 * 106), (89, 88, 1, 300, 88 * (212 + 44)),
@@ -184,3 +186,74 @@ def test_a_full_queue_drops_counts_and_says_so(tmp_path: Path, caplog: pytest.Lo
     with caplog.at_level(logging.WARNING, logger="test"):
         log.writer.report()
     assert "step log: records dropped" in caplog.text and "3 dropped before reaching any sink" in caplog.text
+
+
+def _windows(log: StepLog) -> list[float]:
+    from carbonforge_runtime.engine.step_log import _Added
+
+    return [round(item.window, 9) for item in log.writer._intake if isinstance(item, _Added)]
+
+
+def test_a_request_taken_in_by_a_waiting_engine_has_no_intake_window(tmp_path: Path) -> None:
+    clock = FakeClock()
+    log = StepLog(StepLogConfig(file=str(tmp_path / "s.jsonl")), 0, logging.getLogger("test"), clock=clock)
+    clock.now += 5.0  # the engine waits for work since it started
+    log.added(10.0, 100, 11.0, clock.now)  # taken in as it came
+    clock.now += 0.0001
+    log.added(10.0, 50, 11.0001, clock.now)  # in the same intake, right after
+    o1 = _out(10)
+    log.scheduled(o1, clock.now)
+    clock.now += 0.05
+    log.updated(o1, clock.now, False)  # done: the engine waits again
+    clock.now += 1.0
+    log.added(12.0, 20, 13.0, clock.now)  # a second later: it came while the engine waited
+    assert _windows(log) == [0.0, 0.0001, 0.0]
+
+
+def test_a_request_taken_in_between_steps_may_have_waited_since_the_last_schedule(tmp_path: Path) -> None:
+    clock = FakeClock()
+    log = StepLog(StepLogConfig(file=str(tmp_path / "s.jsonl")), 0, logging.getLogger("test"), clock=clock)
+    o1, o2, o3 = _out(10), _out(5), _out(1)
+    log.scheduled(o1, 1000.0)
+    log.updated(o1, 1000.04, True)  # busy: the loop takes in what came during the step, then schedules
+    clock.now = 1000.0401
+    log.added(0.0, 8, 0.0, clock.now)  # may have come at any time since the step was scheduled
+    log.scheduled(o2, 1000.0402)
+    log.updated(o2, 1000.08, False)  # out of work
+    clock.now = 1000.0801  # taken in just after: it may have been queued during the step
+    log.added(0.0, 8, 0.0, clock.now)
+    log.scheduled(o3, 1000.0802)
+    assert _windows(log) == [0.0401, 0.0399]
+
+
+def test_request_lines_say_when_each_new_request_entered_the_scheduler(
+    vllm_parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import time
+
+    path = tmp_path / "steps.jsonl"
+    contract = EngineContract(Ordering("fcfs", {}), None, step_log=StepLogConfig(file=str(path), flush_timeout_s=5.0))
+    monkeypatch.setenv(CONTRACT_ENV, contract.to_json())
+    from carbonforge_runtime.engine import scheduler as plug_in
+
+    clock = FakeClock()
+    monkeypatch.setattr(plug_in, "time", types.SimpleNamespace(monotonic=clock, time=time.time))
+    engine = Engine(vllm_parts, max_num_seqs=4)
+    clock.now += 1.0
+    before = time.time()
+    engine.add("a", list(range(1, 101)), max_tokens=3, arrival=before - 0.25)  # on the waiting engine
+    _step(engine, clock, 0.05)  # a is still running: the engine goes straight on
+    engine.add("b", list(range(1001, 1041)), max_tokens=1, arrival=before - 0.1)
+    while engine.scheduler.has_requests():
+        _step(engine, clock, 0.05)
+    engine.scheduler.shutdown()
+
+    lines = _lines(path)
+    requests = [line for line in lines if line["kind"] == "request"]
+    assert [(r["t_arrival"], r["prompt_tokens"], r["engine"]) for r in requests] == [
+        (round(before - 0.25, 6), 100, 0), (round(before - 0.1, 6), 40, 0)]
+    assert all(before - 1e-6 <= r["t_added"] <= time.time() for r in requests)
+    # a: taken in at once; b: taken in after the step, which was scheduled 51 ms before (with the 1 ms
+    # of host work after it)
+    assert [r["intake_window_s"] for r in requests] == [0.0, pytest.approx(0.051)]
+    assert [line["kind"] for line in lines[:3]] == ["engine", "request", "step"]

@@ -6,6 +6,7 @@ Admission, chunking, KV blocks, prefix-cache hits and preemption are vLLM's own 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -119,3 +120,59 @@ def test_step_time_follows_the_model() -> None:
                           overhead_ms=1.0, kv_capacity_tokens=1000, provenance="p")
     assert step_time_s(model, 50, 0, 0) == pytest.approx((10.0 + 1.0) / 1000)
     assert step_time_s(model, 200, 1000, 100 * (50 + 50)) == pytest.approx((20.0 + 1.0 + 1.0 + 1.0) / 1000)
+
+
+def delayed(base_ms: float, per_prompt_token_ms: float = 0.0) -> StepCostModel:
+    return dataclasses.replace(FLAT, admission_base_ms=base_ms, admission_per_prompt_token_ms=per_prompt_token_ms)
+
+
+def test_an_idle_engine_takes_a_request_in_exactly_the_admission_delay_after_its_arrival() -> None:
+    # 7 ms of host time between the arrival stamp and the engine core: every time moves by 7 ms,
+    # and latencies still count from the arrival stamp.
+    plain = run_twin([SimRequest(0, 0.5, 16, 3)], settings(), FLAT).outcomes[0]
+    late = run_twin([SimRequest(0, 0.5, 16, 3)], settings(), delayed(7.0)).outcomes[0]
+    assert plain.scheduled_s == pytest.approx(0.5)
+    assert late.arrival_s == 0.5 and late.scheduled_s == pytest.approx(0.5 + 0.007)
+    assert late.first_token_s == pytest.approx(plain.first_token_s + 0.007)  # type: ignore[operator]
+    assert late.completion_s == pytest.approx(plain.completion_s + 0.007)  # type: ignore[operator]
+    # base + per prompt token: 2 ms + 0.01 ms x 300 tokens = 5 ms
+    long = run_twin([SimRequest(0, 0.5, 300, 1)], settings(max_num_batched_tokens=512), delayed(2.0, 0.01))
+    assert long.outcomes[0].scheduled_s == pytest.approx(0.505)
+
+
+@pytest.mark.parametrize(("arrival_s", "enters_s"), [(0.015, 0.024), (0.0195, 0.024), (0.0205, 0.034)])
+def test_a_busy_engine_takes_a_delayed_request_in_at_the_next_step_boundary(arrival_s: float, enters_s: float) -> None:
+    # 4 ms of delay. A arrives at 0 and enters at 4 ms, then the engine is busy with it (a 40-token
+    # prompt at 32 a step, then decoding): steps end at 14, 24, 34 ms... B is ready 4 ms after its
+    # arrival and enters at the first step boundary after that.
+    reqs = [SimRequest(0, 0.0, 40, 5), SimRequest(1, arrival_s, 8, 1)]
+    run = run_twin(reqs, settings(), delayed(4.0))
+    assert run.outcomes[0].scheduled_s == pytest.approx(0.004)
+    assert run.outcomes[1].scheduled_s == pytest.approx(enters_s)
+
+
+def test_a_per_token_delay_lets_a_short_prompt_enter_before_a_long_one_that_arrived_first() -> None:
+    # L (400 tokens) arrives at 0 and is ready at 1 + 4 = 5 ms; S (10 tokens) arrives at 1 ms and is
+    # ready at 2.1 ms: S enters first, on the idle engine, and L at the next boundary after 5 ms.
+    reqs = [SimRequest(0, 0.0, 400, 1), SimRequest(1, 0.001, 10, 1)]
+    run = run_twin(reqs, settings(max_num_batched_tokens=512), delayed(1.0, 0.01))
+    long_prompt, short = run.outcomes
+    assert (long_prompt.index, short.index) == (0, 1)
+    assert short.scheduled_s == pytest.approx(0.0021)
+    assert long_prompt.scheduled_s == pytest.approx(0.0021 + STEP)
+    assert long_prompt.arrival_s == 0.0 and short.arrival_s == 0.001
+
+
+def test_a_zero_delay_changes_nothing() -> None:
+    reqs = [SimRequest(0, 0.0, 40, 2), SimRequest(1, 0.0, 40, 2), SimRequest(2, 0.025, 8, 1)]
+    assert FLAT.has_admission_delay is False and delayed(0.0) == FLAT
+    assert ([dataclasses.astuple(o) for o in run_twin(reqs, settings(), FLAT).outcomes]
+            == [dataclasses.astuple(o) for o in run_twin(reqs, settings(), delayed(0.0)).outcomes])
+
+
+def test_capacity_is_measured_without_the_admission_delay() -> None:
+    from carbonforge_runtime.engine.twin import measure_capacity
+
+    reqs = [SimRequest(i, i * 0.001, 16 + (i * 37) % 200, 4) for i in range(40)]
+    s = settings(max_num_batched_tokens=256)
+    assert measure_capacity(reqs, s, delayed(50.0, 0.5)) == measure_capacity(reqs, s, FLAT)

@@ -8,6 +8,7 @@ chunked prefill on and off, and under three ordering families.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import astuple
 
@@ -129,3 +130,17 @@ def test_fast_forward_skips_steps() -> None:
     assert_same(runs[True], runs[False])
     assert calls[False] == runs[False].steps
     assert calls[True] < calls[False] / 2
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_fast_forward_gives_the_plain_loops_results_with_an_admission_delay(asynchronous: bool) -> None:
+    """Requests enter after the host's admission delay (base and per prompt token, so the order in
+    which they enter differs from their arrival order): the fast-forward still changes nothing."""
+    cost = dataclasses.replace(COST, admission_base_ms=3.1, admission_per_prompt_token_ms=0.057)
+    trace = azure_like(12, 250, 6.0)
+    s = settings(async_scheduling=asynchronous)
+    plain = run_twin(trace, s, cost, fast_forward=False)
+    assert_same(run_twin(trace, s, cost), plain)
+    without = run_twin(trace, s, COST)
+    assert [o.arrival_s for o in plain.outcomes] == [r.arrival_s for r in trace]
+    assert sum(o.scheduled_s or 0 for o in plain.outcomes) > sum(o.scheduled_s or 0 for o in without.outcomes)

@@ -175,3 +175,120 @@ def test_the_model_text_is_the_shipped_format(tmp_path: Path) -> None:
     assert loaded.per_kv_token_read_ms == pytest.approx(model.per_kv_token_read_ms, rel=1e-3)
     assert text.splitlines()[1:6] == ["name: 'mine: a test'", "version: 3", "gpu: 'a100 #1'",
                                       "tensor_parallel_size: 1", "coefficients_ms:"]
+
+
+# ---- the host's admission delay --------------------------------------------------------------------
+
+
+def synthetic_requests(base_ms: float, per_prompt_token_ms: float, count: int, seed: int = 1,
+                       waiting_share: float = 0.3, noise_ms: float = 0.0, step_s: float = 0.02) -> list[dict[str, Any]]:
+    """Request lines of an engine whose host takes ``base + per token x prompt`` ms (plus noise) from
+    the arrival stamp to the engine core's queue. A share of them find the engine waiting for work
+    and enter at once; the others wait for the end of a step (steps of ``step_s``), and their intake
+    window is the whole step."""
+    import math
+
+    rng = random.Random(seed)
+    arrival = T0
+    lines = []
+    for _ in range(count):
+        arrival += rng.expovariate(10.0)
+        prompt = rng.randrange(16, 8000)
+        reached = arrival + max(0.0, base_ms + per_prompt_token_ms * prompt + rng.gauss(0, noise_ms)) / 1000
+        if rng.random() < waiting_share:
+            added, window = reached, 0.0
+        else:
+            phase = rng.uniform(0, step_s)
+            added = T0 + phase + math.ceil((reached - T0 - phase) / step_s) * step_s
+            window = step_s
+        lines.append({"kind": "request", "engine": 0, "t_arrival": round(arrival, 6), "t_added": round(added, 6),
+                      "intake_window_s": window, "prompt_tokens": prompt})
+    return lines
+
+
+def _admission(tmp_path: Path, requests: list[dict[str, Any]]) -> Any:
+    from carbonforge_runtime.offline.sim.calibrate import fit_log_admission
+
+    steps = synthetic_steps(shipped_models()["l4-tp1"], MIN_STEPS, noise=0.0)
+    return fit_log_admission(read_step_log(write_log(tmp_path / "s.jsonl", [header(), *steps, *requests])))
+
+
+def test_the_admission_fit_recovers_known_terms_from_requests_taken_in_at_once(tmp_path: Path) -> None:
+    fit = _admission(tmp_path, synthetic_requests(3.0, 0.0005, 400))
+    assert fit.requests == 400 and 80 < fit.exact < 160 and fit.unfitted == ()
+    assert fit.base_ms == pytest.approx(3.0, rel=1e-3)
+    assert fit.per_prompt_token_ms == pytest.approx(0.0005, rel=1e-3)
+    assert fit.mean_miss_ms < 1e-3
+    # the wait for a step boundary is not the host's: the scheduler saw the requests far later on average
+    assert fit.mean_to_scheduler_ms > fit.mean_ms + 5.0
+
+
+def test_the_admission_fit_finds_the_delay_within_step_boundaries_alone(tmp_path: Path) -> None:
+    # every request waited for the end of a 20 ms step: each delay is known only to lie in its window
+    fit = _admission(tmp_path, synthetic_requests(3.0, 0.0005, 400, waiting_share=0.0))
+    assert fit.exact == 0
+    assert fit.mean_ms == pytest.approx(3.0 + 0.0005 * 4008, rel=0.05)
+    assert fit.base_ms == pytest.approx(3.0, rel=0.1) and fit.per_prompt_token_ms == pytest.approx(0.0005, rel=0.15)
+    noisy = _admission(tmp_path, synthetic_requests(3.0, 0.0005, 2000, seed=4, noise_ms=0.5))
+    assert noisy.mean_ms == pytest.approx(3.0 + 0.0005 * 4008, rel=0.05)
+
+
+def test_admission_fit_edge_cases() -> None:
+    from carbonforge_runtime.offline.sim.calibrate import MIN_REQUESTS, fit_admission
+
+    assert fit_admission([100] * (MIN_REQUESTS - 1), [1.0] * (MIN_REQUESTS - 1), [1.0] * (MIN_REQUESTS - 1)) is None
+    same = fit_admission([100] * 20, [2.0] * 20, [2.0] * 20)  # one prompt length: no per-token term to fit
+    assert same is not None and same.unfitted == ("per_prompt_token",)
+    assert (same.base_ms, same.per_prompt_token_ms) == (pytest.approx(2.0), 0.0)
+    # a delay that falls as prompts grow would need a negative term: it is held at 0
+    falling = fit_admission([100, 200, 300, 400] * 5, [4.0, 3.0, 2.0, 1.0] * 5, [4.0, 3.0, 2.0, 1.0] * 5)
+    assert falling is not None and falling.per_prompt_token_ms == 0.0 and falling.base_ms == pytest.approx(2.5)
+
+
+def test_request_lines_are_read_skipped_with_the_steps_before_them_and_checked(tmp_path: Path) -> None:
+    steps = synthetic_steps(shipped_models()["l4-tp1"], 30, noise=0.0)
+    requests = synthetic_requests(3.0, 0.0, 12)
+    lines = [header(), requests[0], *steps[:5], *requests[1:4], *steps[5:], *requests[4:]]
+    data = read_step_log(write_log(tmp_path / "s.jsonl", lines), skip_first=5)
+    # the first request came before the fifth step ended: skipped with the warm-up
+    assert data.requests_skipped == 1 and len(data.added) == 11 and len(data.wall_ms) == 25
+    assert list(data.prompt) == [r["prompt_tokens"] for r in requests[1:]]
+    bad = {**requests[0], "intake_window_s": -1}
+    with pytest.raises(SimError, match=r"s2.jsonl:22: intake_window_s=-1"):
+        read_step_log(write_log(tmp_path / "s2.jsonl", [header(), *steps[:20], bad]))
+    with pytest.raises(SimError, match="prompt_tokens=None"):
+        read_step_log(write_log(tmp_path / "s3.jsonl", [header(), *steps[:20], {"kind": "request"}]))
+
+
+def test_a_log_without_request_lines_fits_no_delay_and_the_model_has_none(tmp_path: Path) -> None:
+    from carbonforge_runtime.offline.sim.calibrate import fit_log_admission, format_admission, provenance
+
+    model = shipped_models()["a100-80-tp1"]
+    data = read_step_log(write_log(tmp_path / "old.jsonl", [header(), *synthetic_steps(model, 200, noise=0.0)]))
+    assert fit_log_admission(data) is None and "not fitted" in format_admission(None)
+    fit = fit_steps(data.batched, data.kv_read, data.attention, data.wall_ms)
+    text = model_text(fit, ModelInfo("m", 1, "a100", 1, 40_000), provenance(data, fit, {}, "old.jsonl"), None)
+    assert "admission" not in text
+    assert not check_model_text(text, tmp_path / "m.yaml").has_admission_delay
+
+
+def test_a_fitted_admission_delay_is_written_into_the_model_file(tmp_path: Path) -> None:
+    from carbonforge_runtime.offline.sim.calibrate import fit_log_admission, format_admission, provenance
+
+    model = shipped_models()["a100-80-tp1"]
+    lines = [header(), *synthetic_steps(model, 200, noise=0.0), *synthetic_requests(2.5, 0.001, 300)]
+    data = read_step_log(write_log(tmp_path / "new.jsonl", lines))
+    admission = fit_log_admission(data)
+    assert admission is not None
+    fit = fit_steps(data.batched, data.kv_read, data.attention, data.wall_ms)
+    text = model_text(fit, ModelInfo("m", 1, "a100", 1, 40_000), provenance(data, fit, {}, "new.jsonl", admission),
+                      admission)
+    loaded = check_model_text(text, tmp_path / "m.yaml")
+    assert loaded.admission_base_ms == pytest.approx(2.5, rel=1e-3)
+    assert loaded.admission_per_prompt_token_ms == pytest.approx(0.001, rel=1e-3)
+    assert "Admission delay" in loaded.provenance and "300 requests" in loaded.provenance
+    assert "admission delay" in format_admission(admission)
+    # the rest of the model is what it was without the section
+    assert loaded.without_admission_delay() == check_model_text(
+        model_text(fit, ModelInfo("m", 1, "a100", 1, 40_000), provenance(data, fit, {}, "new.jsonl", admission)),
+        tmp_path / "m.yaml")

@@ -46,6 +46,10 @@ class Clock:
         return self.now
 
 
+#: The stand-in host's admission delay: base ms, ms per prompt token.
+DELAY_MS = (4.0, 0.001)
+
+
 class FakeEngine:
     """Logs steps timed by a step-time model for what it is sent, and trace records for every request."""
 
@@ -103,6 +107,11 @@ class FakeEngine:
                 outcome.request_id = f"cmpl-{self.wave}-{item.index}"
                 self.sent[outcome.request_id] = item
             outcomes.append(outcome)
+            # The request taken in by a waiting engine, the host's admission delay after its arrival.
+            arrival = 2.0 + self.steps
+            lines.append({"kind": "request", "engine": 0, "t_arrival": arrival, "intake_window_s": 0.0,
+                          "t_added": arrival + (DELAY_MS[0] + DELAY_MS[1] * item.prompt_tokens) / 1000,
+                          "prompt_tokens": item.prompt_tokens})
             # One prompt step and a few decode steps per request, timed by the model (with jitter).
             for batched, kv_read, attention in ((item.prompt_tokens, 0, item.prompt_tokens ** 2 / 2),
                                                 *((len(plan), len(plan) * (item.prompt_tokens + k), 0.0)
@@ -177,6 +186,10 @@ def test_a_whole_run_writes_the_model_and_a_measured_recipe(tmp_path: Path) -> N
             step_time_s(TRUTH, batched, kv_read, attention), rel=0.03)
     assert model.kv_capacity_tokens == 8192 and model.gpu == "cpu" and not model.proxy
     assert outcome.r2 > 0.99
+    # The host's admission delay, fitted to the log's request lines, is in the model the twin was handed.
+    assert model.admission_base_ms == pytest.approx(DELAY_MS[0], rel=1e-3)
+    assert model.admission_per_prompt_token_ms == pytest.approx(DELAY_MS[1], rel=1e-3)
+    assert "admission delay" in text and "known exactly" in text
     assert calls and calls[0]["cost_model"] == outcome.model and calls[0]["kv_tokens"] == 8192
     assert calls[0]["async_scheduling"] is False and calls[0]["load"] == design.CHECK_LOAD
     # The local recipe loads from its directory, labelled measured on the CPU engine.
