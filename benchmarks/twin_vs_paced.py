@@ -23,7 +23,16 @@ What both sides get:
 * the same step times: the recipe's step-time model; with ``--emulate-slowdown K`` every step
   lasts K times the model, so the twin runs with every coefficient and every gap between arrivals
   K times longer (its ordering families' time constants then see the same clock as the engine's),
-  and every figure is reported in the modelled GPU's seconds (divided by K).
+  and every figure is reported in the modelled GPU's seconds (divided by K);
+* the same host: the API server's delay between a request's arrival stamp and the engine core
+  (rendering, tokenisation, the hand-over), which the twin adds before a request may enter
+  (:func:`carbonforge_runtime.core.twin_data.admission_delay_s`). ``--admission-delay calibrate``
+  (the default) measures it before anything is predicted: a paced engine of its own serves a short
+  calibration load (for each trace, a few dozen of its window's requests, Poisson arrivals at the
+  lowest load's rate), and the delay is fitted to the request lines of its step log
+  (:func:`carbonforge_runtime.offline.sim.calibrate.fit_admission`). ``--admission-delay FILE``
+  takes it from a model file (its ``admission_delay_ms``) or fits it to a step log;
+  ``--admission-delay none`` leaves it out, as the twin did before it had one.
 
 Engines: one per family (the family is fixed when the engine starts; ``bench_switch`` would hand
 the waiting queue its own overtaking bound and prefix-lookup limit, not the served family's). FCFS
@@ -43,7 +52,7 @@ round.
         --json benchmarks/results/twin_vs_paced.json --markdown benchmarks/results/twin_vs_paced.md
 
 ``--only TRACE[,TRACE]``, ``--loads`` and ``--families`` run a part of the matrix; ``--predict-only``
-stops after the predictions.
+stops after the predictions (the admission delay's calibration, when asked for, runs before them).
 """
 
 from __future__ import annotations
@@ -97,6 +106,11 @@ LATE_LIMIT = 0.01
 #: Token ids the stand-in model accepts (its vocabulary has 4,102).
 TOKEN_LOW, TOKEN_HIGH = 100, 4000
 WARMUP_REQUESTS = 12
+#: The admission delay's calibration: per trace, requests drawn from its window (at most, at least)
+#: arriving over about this many seconds at the lowest load's rate.
+CALIBRATION_REQUESTS = (40, 10)
+CALIBRATION_SPAN_S = 20.0
+NO_DELAY = {"base_ms": 0.0, "per_prompt_token_ms": 0.0, "source": "none"}
 
 
 # -- the cells -----------------------------------------------------------------------------------------
@@ -107,9 +121,10 @@ def families_of(trace: str) -> list[str]:
     return [*BASE_FAMILIES, *([extra] if extra else [])]
 
 
-def twin_inputs(trace: Any, limit: int, slowdown: float) -> dict[str, Any]:
+def twin_inputs(trace: Any, limit: int, slowdown: float, delay: dict[str, Any] | None = None) -> dict[str, Any]:
     """The window, the engine as ``serve --emulate`` serves the recipe, and the step-time model
-    (every coefficient times ``slowdown``)."""
+    (every coefficient times ``slowdown``) with the host's admission delay (``delay``, from
+    :func:`admission_delay`; none without it)."""
     from carbonforge_runtime.offline.sim.inputs import WindowOptions
     from carbonforge_runtime.offline.sim.setup import KnobOverrides, TwinInputs, prepare
     from carbonforge_runtime.runtime.planning.emulate import cpu_block_size, kv_blocks
@@ -120,10 +135,20 @@ def twin_inputs(trace: Any, limit: int, slowdown: float) -> dict[str, Any]:
     kv_tokens = kv_blocks(base.cost, block) * block
     twin = dataclasses.replace(base.twin, block_size=block, kv_tokens=kv_tokens, async_scheduling=False)
     c = base.cost
+    delay = delay or NO_DELAY
+    # The twin runs on the paced engine's clock: every step K times the model (K = slowdown), every
+    # gap between arrivals K times the trace's (the arrivals are sent at those times), and every
+    # figure is divided by K afterwards to give the modelled GPU's seconds. The admission delay is
+    # not a step: the API server renders, tokenises and hands a request over on this machine's CPU in
+    # real seconds, whatever K is. So it enters the twin as measured, NOT times K; dividing the
+    # figures by K afterwards then turns a delay of d seconds into d / K modelled seconds (2d at
+    # K = 0.5), as dividing the paced engine's figures by K does to the same real delay there. On a
+    # GPU host (no slowdown) the same delay enters as it is.
     cost = dataclasses.replace(
         c, floor_ms=c.floor_ms * slowdown, per_batched_token_ms=c.per_batched_token_ms * slowdown,
         per_kv_token_read_ms=c.per_kv_token_read_ms * slowdown, attention_ms=c.attention_ms * slowdown,
-        overhead_ms=c.overhead_ms * slowdown)
+        overhead_ms=c.overhead_ms * slowdown, admission_base_ms=float(delay["base_ms"]),
+        admission_per_prompt_token_ms=float(delay["per_prompt_token_ms"]))
     from carbonforge_runtime.offline.sim.setup import refused
 
     served = [r for r in base.requests if r.index not in refused(base.requests, twin)]
@@ -144,21 +169,21 @@ def scaled_metrics(m: dict[str, float], slowdown: float) -> dict[str, float]:
 
 
 def predict(traces: list[Any], limits: dict[str, int], loads: list[float], slowdown: float,
-            wanted: set[str] | None) -> dict[str, Any]:
+            wanted: set[str] | None, delay: dict[str, Any]) -> dict[str, Any]:
     """Every cell's prediction (and the arrivals the engine will be sent), printed as it is made."""
     from carbonforge_runtime.engine.twin import measure_capacity, run_twin
     from carbonforge_runtime.offline.sim.setup import at_load, capacity_engine
 
     out: dict[str, Any] = {}
     for trace in traces:
-        inputs = twin_inputs(trace, limits[trace.name], slowdown)
+        inputs = twin_inputs(trace, limits[trace.name], slowdown, delay)
         twin, cost, served = inputs["twin"], inputs["cost"], inputs["served"]
         capacity = measure_capacity(served, capacity_engine(twin), cost)
         entry: dict[str, Any] = {
             "requests": len(inputs["base"].requests), "served": len(served), "capacity_rps": capacity * slowdown,
             "block_size": twin.block_size, "kv_tokens": twin.kv_tokens, "max_num_seqs": twin.max_num_seqs,
             "max_num_batched_tokens": twin.max_num_batched_tokens, "cost_model": inputs["base"].cost.name,
-            "proxy": inputs["base"].cost.proxy, "loads": {}}
+            "proxy": inputs["base"].cost.proxy, "admission_delay": delay, "loads": {}}
         log(f"twin: {trace.name}: {len(served)} requests, FCFS capacity {capacity * slowdown:.3f} req/s "
             f"(modelled GPU), KV {twin.kv_tokens} tokens in blocks of {twin.block_size}")
         for load in loads:
@@ -227,8 +252,8 @@ def loadavg() -> float:
 class PacedEngine:
     """``serve --emulate`` of the recipe with one family, its request trace and metrics."""
 
-    def __init__(self, work: Path, family: str, slowdown: float) -> None:
-        self.dir = work / f"engine-{family}"
+    def __init__(self, work: Path, family: str, slowdown: float, name: str | None = None) -> None:
+        self.dir = work / f"engine-{name or family}"
         self.dir.mkdir(parents=True, exist_ok=True)
         recipes = self.dir / "recipes"
         recipes.mkdir(exist_ok=True)
@@ -283,6 +308,124 @@ class PacedEngine:
         errors = sorted({o.error for o in result.outcomes if o.error})
         records = self.tail.wait({o.request_id for o in result.outcomes if o.request_id})
         return records, errors
+
+
+# -- the host's admission delay --------------------------------------------------------------------------
+
+
+def calibration_loads(traces: list[Any], limits: dict[str, int], loads: list[float],
+                      slowdown: float) -> dict[str, list[dict[str, Any]]]:
+    """Per trace, the admission delay's calibration load: requests drawn (seeded) from its window,
+    arriving as a Poisson process at the rate of its lowest load's cell (on the paced engine's clock),
+    over about :data:`CALIBRATION_SPAN_S` seconds. Not the cells' own arrivals."""
+    from carbonforge_runtime.engine.twin import measure_capacity
+    from carbonforge_runtime.offline.sim.setup import at_load, capacity_engine
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for trace in traces:
+        inputs = twin_inputs(trace, limits[trace.name], slowdown)
+        served = inputs["served"]
+        capacity = measure_capacity(served, capacity_engine(inputs["twin"]), inputs["cost"])
+        cell, _ = at_load(served, min(loads), capacity)
+        rate = (len(cell) - 1) / (cell[-1].arrival_s - cell[0].arrival_s)
+        most, least = CALIBRATION_REQUESTS
+        count = max(least, min(most, round(rate * CALIBRATION_SPAN_S), len(served)))
+        rng = random.Random(f"calibration:{trace.name}")
+        now, arrivals = 0.0, []
+        for number, r in enumerate(rng.sample(served, min(count, len(served)))):
+            arrivals.append({"index": number, "arrival_s": now, "prompt_tokens": r.prompt_tokens,
+                             "output_tokens": r.output_tokens, "block_tokens": r.block_tokens,
+                             "blocks": list(r.blocks) if r.blocks is not None else None})
+            now += rng.expovariate(rate)
+        out[trace.name] = arrivals
+    return out
+
+
+def request_intervals(step_log: Path) -> tuple[Any, Any, Any, Any]:
+    """(arrival stamps, prompt tokens, shortest and longest delays in ms) of a step log's request lines."""
+    import numpy as np
+
+    from carbonforge_runtime.offline.sim.calibrate import admission_intervals, read_step_log
+
+    data = read_step_log(step_log)
+    return (np.asarray(data.arrival, dtype=float), *admission_intervals(data))
+
+
+def calibrate_admission(work: Path, traces: list[Any], limits: dict[str, int], loads: list[float],
+                        slowdown: float) -> dict[str, Any]:
+    """Serve the calibration loads on a paced engine of their own (FCFS) and fit the admission delay
+    to its step log's request lines (the warm-up's left out); per trace, the mean time from the
+    arrival stamp to the scheduler and the fitted mean delay are kept for the report."""
+    from carbonforge_runtime.offline.sim.calibrate import fit_admission
+
+    loads_by_trace = calibration_loads(traces, limits, loads, slowdown)
+    log(f"\n== the host's admission delay: a paced engine serves {sum(map(len, loads_by_trace.values()))} "
+        f"calibration requests ({', '.join(f'{k} {len(v)}' for k, v in loads_by_trace.items())})")
+    started = time.monotonic()
+    spans: dict[str, tuple[float, float]] = {}
+    with PacedEngine(work, "fcfs", slowdown, name="calibration") as engine:
+        log(f"calibration: ready in {time.monotonic() - started:.0f} s")
+        warm = next(iter(loads_by_trace.values()))[:WARMUP_REQUESTS]
+        engine.serve([{**a, "arrival_s": 0.0} for a in warm], 10_000)
+        for number, (name, arrivals) in enumerate(loads_by_trace.items()):
+            begin = time.time()
+            records, errors = engine.serve(arrivals, 10_001 + number)
+            spans[name] = (begin, time.time())
+            log(f"calibration: {name}: {len(records)}/{len(arrivals)} served"
+                + (f"; errors: {errors}" if errors else ""))
+    # The engine has stopped, so its step log is complete.
+    arrival, prompt, low, high = request_intervals(engine.steps)
+    keep = arrival >= min(begin for begin, _ in spans.values())
+    fit = fit_admission(prompt[keep], low[keep], high[keep])
+    if fit is None:
+        raise SystemExit(f"calibration: too few request lines in {engine.steps} to fit the admission delay; "
+                         "pass --admission-delay none, or a model file or step log that has them")
+    per_trace = {}
+    for name, (begin, end) in spans.items():
+        chosen = (arrival >= begin) & (arrival <= end)
+        if chosen.any():
+            per_trace[name] = {"requests": int(chosen.sum()), "mean_to_scheduler_ms": float(high[chosen].mean()),
+                               "mean_fitted_ms": float((fit.base_ms + fit.per_prompt_token_ms * prompt[chosen]).mean())}
+    delay = {"base_ms": fit.base_ms, "per_prompt_token_ms": fit.per_prompt_token_ms,
+             "source": f"calibrated on this host ({fit.requests} requests, {fit.exact} known exactly)",
+             "requests": fit.requests, "exact": fit.exact, "mean_ms": fit.mean_ms,
+             "mean_to_scheduler_ms": fit.mean_to_scheduler_ms, "mean_miss_ms": fit.mean_miss_ms,
+             "per_trace": per_trace, "calibration_s": time.monotonic() - started}
+    log(f"calibration: admission delay {fit.base_ms:.3g} ms + {fit.per_prompt_token_ms:.3g} ms per prompt token of "
+        f"host time, {fit.mean_ms:.3g} ms on average ({fit.mean_to_scheduler_ms:.3g} ms to the scheduler with the "
+        f"wait for a step boundary); {delay['calibration_s']:.0f} s")
+    for name, figures in per_trace.items():
+        log(f"calibration: {name}: to the scheduler {figures['mean_to_scheduler_ms']:.3g} ms, fitted delay "
+            f"{figures['mean_fitted_ms']:.3g} ms on average ({figures['requests']} requests)")
+    return delay
+
+
+def admission_delay(choice: str, work: Path, traces: list[Any], limits: dict[str, int], loads: list[float],
+                    slowdown: float) -> dict[str, Any]:
+    """The host's admission delay the twin is given: measured here (``calibrate``), none, or read from
+    a model file (its ``admission_delay_ms``) or fitted to a step log's request lines."""
+    if choice == "none":
+        return dict(NO_DELAY)
+    if choice == "calibrate":
+        return calibrate_admission(work, traces, limits, loads, slowdown)
+    path = Path(choice)
+    if path.suffix in (".yaml", ".yml"):
+        from carbonforge_runtime.core.step_models import load_model_file
+
+        model = load_model_file(path)
+        if not model.has_admission_delay:
+            log(f"admission delay: {path} has none (no admission_delay_ms section): the twin adds none")
+        return {"base_ms": model.admission_base_ms, "per_prompt_token_ms": model.admission_per_prompt_token_ms,
+                "source": f"the model file {path}"}
+    from carbonforge_runtime.offline.sim.calibrate import fit_admission
+
+    fit = fit_admission(*request_intervals(path)[1:])
+    if fit is None:
+        raise SystemExit(f"{path}: too few request lines to fit the admission delay (a step log written before "
+                         "they existed?); pass --admission-delay calibrate, none, or a model file")
+    return {"base_ms": fit.base_ms, "per_prompt_token_ms": fit.per_prompt_token_ms,
+            "source": f"fitted to the step log {path} ({fit.requests} requests)", "requests": fit.requests,
+            "exact": fit.exact, "mean_ms": fit.mean_ms, "mean_to_scheduler_ms": fit.mean_to_scheduler_ms}
 
 
 def run_order(predicted: dict[str, Any], wanted: set[str] | None) -> list[tuple[str, list[tuple[str, str, str]]]]:
@@ -352,7 +495,7 @@ def gpu_block_check(traces: list[Any], limits: dict[str, int], predicted: dict[s
     for trace in traces:
         if trace.name not in predicted:
             continue
-        inputs = twin_inputs(trace, limits[trace.name], slowdown)
+        inputs = twin_inputs(trace, limits[trace.name], slowdown, predicted[trace.name].get("admission_delay"))
         base = inputs["base"]
         gpu = dataclasses.replace(inputs["twin"], block_size=GPU_BLOCK_SIZE,
                                   kv_tokens=base.cost.kv_capacity_tokens // GPU_BLOCK_SIZE * GPU_BLOCK_SIZE,
@@ -377,9 +520,12 @@ def run_speeds(work: Path, traces: list[Any], limits: dict[str, int], predicted:
     lasted in all (``speed``: their wall time over their modelled time; ``late_excess_share``: the
     time late steps ran past their modelled ends, over the run's busy time), and the twin's
     prediction again with every step that much longer (``twin_at_run_speed``). The second is not a
-    prediction (it uses the run's own step log); it tells how much of a miss the late steps explain."""
+    prediction (it uses the run's own step log); it tells how much of a miss the late steps explain.
+    Where the step log has request lines, the admission delay fitted to the run's own requests
+    (``admission_in_run``) says how well the calibration's delay held during the run."""
     from carbonforge_runtime.core.twin_data import step_time_s
     from carbonforge_runtime.engine.twin import run_twin
+    from carbonforge_runtime.offline.sim.calibrate import fit_admission
     from carbonforge_runtime.offline.sim.inputs import WindowOptions  # noqa: F401 (twin_inputs reads it)
 
     by_name = {t.name: t for t in traces}
@@ -391,6 +537,7 @@ def run_speeds(work: Path, traces: list[Any], limits: dict[str, int], predicted:
         records = sorted(jsonl_records(directory / "trace.jsonl"), key=lambda r: float(r["t_arrival"]))
         steps = [r for r in jsonl_records(directory / "steps.jsonl")
                  if r.get("kind") == "step" and r.get("batched_tokens", 0) > 0]
+        stamps, prompts, shortest, longest = request_intervals(directory / "steps.jsonl")
         position = WARMUP_REQUESTS
         for run_name, trace, load in runs:
             cell = predicted[trace]["loads"][load]
@@ -400,7 +547,8 @@ def run_speeds(work: Path, traces: list[Any], limits: dict[str, int], predicted:
             if row is None or not chunk:
                 continue
             if trace not in inputs:
-                inputs[trace] = twin_inputs(by_name[trace], limits[trace], slowdown)
+                inputs[trace] = twin_inputs(by_name[trace], limits[trace], slowdown,
+                                            predicted[trace].get("admission_delay"))
             twin, cost = inputs[trace]["twin"], inputs[trace]["cost"]
             low = min(float(r["t_arrival"]) for r in chunk)
             high = max(float(r["t_completion"]) for r in chunk)
@@ -415,6 +563,14 @@ def run_speeds(work: Path, traces: list[Any], limits: dict[str, int], predicted:
             row["speed"] = speed
             row["late_excess_share"] = excess / sum(walls)
             row["step_log_steps"] = len(window)
+            chosen = (stamps >= low) & (stamps <= high)
+            fitted = fit_admission(prompts[chosen], shortest[chosen], longest[chosen])
+            if fitted is not None:
+                row["admission_in_run"] = {"base_ms": fitted.base_ms, "per_prompt_token_ms": fitted.per_prompt_token_ms,
+                                           "mean_ms": fitted.mean_ms, "requests": fitted.requests,
+                                           "mean_to_scheduler_ms": fitted.mean_to_scheduler_ms}
+                log(f"admission: {trace} @ {float(load):.0%} {run_name}: the run's own requests give "
+                    f"{fitted.mean_ms:.3g} ms on average (to the scheduler {fitted.mean_to_scheduler_ms:.3g} ms)")
             slower = dataclasses.replace(
                 cost, floor_ms=cost.floor_ms * speed, per_batched_token_ms=cost.per_batched_token_ms * speed,
                 per_kv_token_read_ms=cost.per_kv_token_read_ms * speed, attention_ms=cost.attention_ms * speed,
@@ -433,6 +589,22 @@ def run_speeds(work: Path, traces: list[Any], limits: dict[str, int], predicted:
 
 
 # -- the report ----------------------------------------------------------------------------------------
+
+
+def admission_line(delay: dict[str, Any], slowdown: float) -> str:
+    """The report's sentence on the admission delay the twin was given."""
+    if not (delay.get("base_ms") or delay.get("per_prompt_token_ms")):
+        return "The twin adds no admission delay (the API server's time before the engine core).\n\n"
+    text = (f"The twin adds the host's admission delay, {delay['base_ms']:.3g} ms + "
+            f"{delay['per_prompt_token_ms']:.3g} ms per prompt token of real time ({delay['source']}), not "
+            f"dilated by the slowdown: in the modelled GPU's seconds it counts {1 / slowdown:g} times.")
+    if "mean_ms" in delay:
+        text += (f" Mean delay {delay['mean_ms']:.3g} ms; arrival stamp to the scheduler "
+                 f"{delay['mean_to_scheduler_ms']:.3g} ms with the wait for a step boundary.")
+    for name, figures in delay.get("per_trace", {}).items():
+        text += (f" {name}: {figures['mean_to_scheduler_ms']:.3g} ms to the scheduler, fitted delay "
+                 f"{figures['mean_fitted_ms']:.3g} ms.")
+    return text + "\n\n"
 
 
 def rel(pred: float, real: float) -> float:
@@ -541,6 +713,10 @@ def main() -> int:
                         help="requests of a trace's window (defaults: "
                              + ", ".join(f"{k}={v}" for k, v in DEFAULT_LIMITS.items()) + ")")
     parser.add_argument("--work", type=Path, default=Path("/work/bench-out/twin_vs_paced"))
+    parser.add_argument("--admission-delay", default="calibrate", metavar="calibrate|none|FILE",
+                        help="the host's delay from a request's arrival stamp to the engine core, which the twin "
+                             "adds: measured here before the predictions (calibrate, the default), none, or from a "
+                             "model file (.yaml, its admission_delay_ms) or a step log with request lines")
     parser.add_argument("--predict-only", action="store_true")
     parser.add_argument("--report-only", action="store_true",
                         help="no new runs: the report from the predictions and paced runs already in --work")
@@ -571,8 +747,11 @@ def main() -> int:
             if "commit" in timing:  # the runs' own provenance beside the report's
                 made = {**made, "runs_commit": timing["commit"], "runs_command": timing["command"]}
         else:
-            log(f"== the twin predicts every cell first ({RECIPE}, slowdown {args.emulate_slowdown:g})")
-            predicted = predict(traces, limits, loads, args.emulate_slowdown, wanted)
+            delay = admission_delay(args.admission_delay, work, traces, limits, loads, args.emulate_slowdown)
+            log(f"\n== the twin predicts every cell first ({RECIPE}, slowdown {args.emulate_slowdown:g}, admission "
+                f"delay {delay['base_ms']:.3g} ms + {delay['per_prompt_token_ms']:.3g} ms per prompt token of host "
+                f"time: {delay['source']})")
+            predicted = predict(traces, limits, loads, args.emulate_slowdown, wanted, delay)
             (work / "predicted.json").write_text(json.dumps(predicted))
             log(f"predictions written to {work / 'predicted.json'} ({time.monotonic() - started:.0f} s)")
             results = {}
@@ -598,9 +777,10 @@ def main() -> int:
         text += (f"\n\nThe twin's FCFS prediction with the GPU's KV blocks of 16 tokens instead of the CPU "
                  f"engine's 32 changes by at most {worst:.1%} on any figure of any cell (JSON: `gpu_blocks`).")
     model = next(iter(predicted.values()))["cost_model"] if predicted else "?"
+    used = next(iter(predicted.values())).get("admission_delay", NO_DELAY) if predicted else NO_DELAY
     header = (f"Twin against the paced engine: {RECIPE} (step-time model {model}, a proxy), `serve --emulate "
               f"--emulate-slowdown {args.emulate_slowdown:g}`, all figures in the modelled GPU's seconds. "
-              f"Matrix wall time {wall / 60:.0f} min.\n\n")
+              f"Matrix wall time {wall / 60:.0f} min.\n\n" + admission_line(used, args.emulate_slowdown))
     runs = (f"\nRuns made at commit `{made['runs_commit']}` by `{made['runs_command']}`"
             if "runs_commit" in made else "")
     text = header + text + f"\n\nCommit: `{made['commit']}`\nCommand: `{made['command']}`{runs}\n"
