@@ -141,6 +141,10 @@ def make_tls(directory: Path, name: str = "test") -> TlsFiles:
     return files
 
 
+#: How long an export already taken may take to be answered when the receiver stops.
+STOP_GRACE_S = 3.0
+
+
 class OtlpReceiver:
     """One receiver on 127.0.0.1, ``protocol`` "grpc" or "http", over TLS when ``tls`` is given.
     Restartable on the same port. ``headers`` holds, per export, the request headers (HTTP) or
@@ -248,8 +252,12 @@ class OtlpReceiver:
         return Handler
 
     def stop(self) -> None:
+        """Refuse new exports at once; an export already taken is answered first (a grace of a few
+        seconds), as a collector that shuts down does. Without it an export whose spans are stored
+        but whose answer is cut off counts as delivered here and, after its retries, as dropped by the
+        sink."""
         if self._grpc is not None:
-            self._grpc.stop(grace=None).wait(5)
+            self._grpc.stop(grace=STOP_GRACE_S).wait(STOP_GRACE_S + 5)
             self._grpc = None
         if self._http is not None:
             self._http.shutdown()
