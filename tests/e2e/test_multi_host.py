@@ -273,10 +273,13 @@ def test_data_parallel_ranks_write_their_own_trace_files_and_metrics_add_up(tmp_
         assert summary.returncode == 0, summary.stderr
         assert json.loads(summary.stdout)["records"] == 24
 
-        def counted() -> float:
-            return sum(value for _, value in scrape(metrics_port).get("carbonforge_requests_total", []))
+        def counted() -> bool:  # requests, and the records the file sink wrote, as two separate reports
+            page = scrape(metrics_port)
+            sums = [sum(value for labels, value in page.get(name, []) if labels.get("sink", "file") == "file")
+                    for name in ("carbonforge_requests_total", "carbonforge_trace_records_written_total")]
+            return sums == [24, 24]
 
-        wait_until(lambda: counted() >= 24, 10, every_s=0.5)  # the feed reports every half second
+        wait_until(counted, 10, every_s=0.5)  # the feed reports every half second
         page = scrape(metrics_port)
         requests = {labels["dp_rank"]: value for labels, value in page.get("carbonforge_requests_total", [])}
         assert requests == {str(rank): float(len(per_rank[rank])) for rank in (0, 1)}
