@@ -275,14 +275,10 @@ def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu
     from carbonforge_runtime.files import write_atomic
     from carbonforge_runtime.offline.sim.calibrate import (
         ModelInfo,
-        check_model_text,
         engine_facts,
-        fit_log_admission,
-        fit_steps,
+        fit_model,
         format_admission,
         format_fit,
-        model_text,
-        provenance,
         read_step_log,
     )
 
@@ -304,14 +300,12 @@ def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu
     tp = tensor_parallel_size if tensor_parallel_size is not None else facts.get("tensor_parallel_size", 1)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         tp = 1
-    fit = fit_steps(data.batched, data.kv_read, data.attention, data.wall_ms)
-    admission = fit_log_admission(data)
-    info = ModelInfo(model_name[:200], version, gpu.strip()[:200], tp, kv)
-    text = model_text(fit, info, provenance(data, fit, facts, str(step_log), admission), admission)
-    model = check_model_text(text, output)
+    fitted = fit_model(data, ModelInfo(model_name[:200], version, gpu.strip()[:200], tp, kv), facts, str(step_log),
+                       output)
+    fit, model = fitted.fit, fitted.model
 
     def write(handle: Any) -> None:
-        handle.write(text)
+        handle.write(fitted.text)
 
     write_atomic(output, write)
     if data.truncated:
@@ -321,7 +315,7 @@ def _calibrate(step_log: Path, output: Path, name: str | None, version: int, gpu
           (f" ({data.skipped} skipped)" if data.skipped else "") +
           (f", {data.empty} without tokens left out" if data.empty else ""))
     print(format_fit(fit))
-    print(format_admission(admission))
+    print(format_admission(fitted.admission))
     if fit.r2 < POOR_FIT_R2 or fit.p90_rel_error > POOR_FIT_P90:
         print(f"sim-calibrate: warning: a poor fit (R2 {fit.r2:.2f}, p90 relative error {fit.p90_rel_error:.0%}): "
               "the step times vary for reasons the model does not see (other load on the host, step jitter, "

@@ -245,14 +245,10 @@ def _fit(run: _Run, engine: Engine, skip: int, options: Options, gpu: str, tp: i
     from carbonforge_runtime.files import write_text_atomic
     from carbonforge_runtime.offline.sim.calibrate import (
         ModelInfo,
-        check_model_text,
         engine_facts,
-        fit_log_admission,
-        fit_steps,
+        fit_model,
         format_admission,
         format_fit,
-        model_text,
-        provenance,
         read_step_log,
     )
 
@@ -262,18 +258,15 @@ def _fit(run: _Run, engine: Engine, skip: int, options: Options, gpu: str, tp: i
     except CarbonForgeError as exc:
         raise run.stop(f"no fit is possible: {exc.message}", "pass a larger --budget so that the calibration load "
                        "logs more steps") from None
-    fit = fit_steps(data.batched, data.kv_read, data.attention, data.wall_ms)
-    admission = fit_log_admission(data)
     model_path = options.output_dir / "step-model.yaml"
     name = f"{options.context_key.split(':', 1)[0]}-{gpu}-tp{tp}-calibrated"
-    info = ModelInfo(name[:200], 1, gpu, tp, kv_tokens)
-    text = model_text(fit, info, provenance(data, fit, engine_facts(data.headers), str(engine.step_log), admission),
-                      admission)
-    check_model_text(text, model_path)
-    write_text_atomic(model_path, text)
+    fitted = fit_model(data, ModelInfo(name[:200], 1, gpu, tp, kv_tokens), engine_facts(data.headers),
+                       str(engine.step_log), model_path)
+    fit = fitted.fit
+    write_text_atomic(model_path, fitted.text)
     run.written.append(str(model_path))
     run.progress(format_fit(fit))
-    run.progress(format_admission(admission))
+    run.progress(format_admission(fitted.admission))
     if not (math.isfinite(fit.r2) and fit.r2 >= MIN_R2):
         raise run.stop(f"the fit is poor (R2 {fit.r2:.3f}, below {MIN_R2}): the step times vary for reasons the "
                        "model does not see (other work on the host, a load too short)",

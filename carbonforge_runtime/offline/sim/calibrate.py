@@ -545,6 +545,25 @@ def check_model_text(text: str, path: Path) -> StepCostModel:
     return model_from_mapping(yaml.safe_load(text), path)
 
 
+@dataclass(frozen=True)
+class FittedModel:
+    """A step log's fit, its admission delay, and the model file's text with the model it loads as."""
+
+    fit: Fit
+    admission: AdmissionFit | None
+    text: str
+    model: StepCostModel
+
+
+def fit_model(data: StepLogData, info: ModelInfo, facts: Mapping[str, Any], source: str, path: Path) -> FittedModel:
+    """Fit the step times and the admission delay of ``data`` and write them up as the model file for
+    ``path`` (checked as ``sim --cost-model`` will read it); ``source`` names the log in the provenance."""
+    fit = fit_steps(data.batched, data.kv_read, data.attention, data.wall_ms)
+    admission = fit_log_admission(data)
+    text = model_text(fit, info, provenance(data, fit, facts, source, admission), admission)
+    return FittedModel(fit, admission, text, check_model_text(text, path))
+
+
 def format_fit(fit: Fit) -> str:
     rows = [(name, _yaml_float(value) + " ms") for name, value in fit.coefficients().items()]
     rows += [
