@@ -4,6 +4,11 @@ One engine session (full-level trace, max_num_seqs 2) serves three phases: light
 load, scripted multi-turn conversations run concurrently, and a burst far above two sequences.
 ``summarize`` must call the light phase healthy and the burst queue-dominated, with percentiles
 matching the records; ``sessions`` must recover exactly the conversations that were sent.
+
+The engine serves its recipe as ``calibrate`` writes a local recipe after a run (the same functions:
+the recipe unchanged but for a benchmark block measured on this host, placed in a directory for
+``CF_RECIPES_DIR``), so that a recipe of that form is shown to load and serve; the calibration
+itself is tests/e2e/test_calibrate.py's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from carbonforge_runtime.cli import main as cli
@@ -55,6 +61,23 @@ TAGGED_QUESTIONS = ["What does idempotent mean?", "And what is a tombstone recor
 runner = CliRunner()
 
 
+def calibrated_recipes(directory: Path) -> Path:
+    """The test recipe as calibrate writes it (design.recipe_text, placed by place_recipe) after a
+    check on this CPU host whose figures are these: a directory for ``CF_RECIPES_DIR``."""
+    from carbonforge_runtime.offline.calibrate import design
+    from carbonforge_runtime.offline.sim.recipe_out import place_recipe
+
+    source = yaml.safe_load((TEST_RECIPES / "cf-tiny-q2--bf16--chat--cpu.yaml").read_text(encoding="utf-8"))
+    rows = design.compare({"mean_e2e": 0.58, "p99_e2e": 1.76, "mean_ttft": 0.082, "throughput": 8.18},
+                          {"mean_e2e": 0.646, "p99_e2e": 1.869, "mean_ttft": 0.112, "throughput": 7.97})
+    benchmark = design.benchmark_block(design.host_block([], None, "0.32.0", on_cpu=True), "2026-12-06", rows,
+                                       str(directory / "step-model.yaml"), {"r2": 0.984, "steps": 1645},
+                                       {"requests": 250, "load": 0.7})
+    directory.mkdir(parents=True)
+    place_recipe(directory, KEY, design.recipe_text(source, benchmark), force=True)
+    return directory
+
+
 def lower_quantile(values: list[float], q: float) -> float:
     """The nearest-rank quantile: the value of 1-based rank ceil(q * n) of the sorted values."""
     ordered = sorted(values)
@@ -77,9 +100,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     base = tmp_path_factory.mktemp("trace-tools-engine")
     trace = base / "trace.jsonl"
+    recipes = calibrated_recipes(base / "recipes")
     runtime = RuntimeProcess(
         ["--context-key", KEY, "--request-trace", "full", "--trace-file", str(trace)],
-        base / "logs", env={"CF_RECIPES_DIR": str(TEST_RECIPES)},
+        base / "logs", env={"CF_RECIPES_DIR": str(recipes)},
     )
     try:
         runtime.start().wait_ready()
@@ -141,7 +165,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         records = read_records(trace)
         assert len(records) >= total, f"the trace holds {len(records)} records, expected {total}"
         yield {"base": base, "trace": trace, "records": records, "light": light, "burst": burst,
-               "conversations": sent, "tagged": tagged}
+               "conversations": sent, "tagged": tagged, "recipes": recipes}
     finally:
         try:
             if runtime.proc is not None and runtime.proc.poll() is None:
@@ -180,6 +204,18 @@ def summarize_json(*args: str) -> dict[str, Any]:
     assert result.exit_code == 0, result.output
     assert "warning" not in result.stderr, result.stderr
     return json.loads(result.stdout)
+
+
+def test_the_served_recipe_is_the_one_calibrate_wrote_labelled_measured(traced: dict[str, Any]) -> None:
+    written = traced["recipes"] / "cf-tiny-q2--bf16--chat--cpu.yaml"
+    assert written.read_text(encoding="utf-8").startswith("# Calibrated by carbonforge-runtime calibrate")
+    # KEY is no shipped recipe and CF_RECIPES_DIR held only this file: every request above was served
+    # by the recipe calibrate's functions wrote.
+    assert list(traced["recipes"].iterdir()) == [written]
+    shown = runner.invoke(cli.app, ["recipes", "show", KEY], env={"CF_RECIPES_DIR": str(traced["recipes"])})
+    assert shown.exit_code == 0, shown.output
+    assert f"# {written}" in shown.stdout and "benchmark.figures: measured on cpu" in shown.stdout
+    assert traced["light"] and traced["records"]  # and it served: every phase above ran on it
 
 
 def test_summarize_light_load_is_healthy_and_the_burst_is_queue_dominated(traced: dict[str, Any]) -> None:
