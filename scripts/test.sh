@@ -61,7 +61,8 @@ echo "== pytest: unit and integration tests (three workers)"
 # idle. (nice is not enough: every engine starts its own session, and the kernel's autogroups give
 # each session an equal share whatever its nice value; a cgroup other than the root one has none.)
 # Without a writable cgroup (no root, or no cpu controller) the groups run one after the other.
-e2e_beside="-p no:cacheprovider -q -n 2 --dist loadfile -m parallel_safe tests/e2e"
+e2e_beside=(-p no:cacheprovider -q -n 2 --dist loadfile -m parallel_safe tests/e2e)
+e2e_sensitive=(-p no:cacheprovider -q -m "not parallel_safe" tests/e2e)
 background_cgroup=""
 for controller in /sys/fs/cgroup/cpu /sys/fs/cgroup; do
     # cgroup v1's cpu controller (cpu.shares), or cgroup v2 with cpu in the root's subtree (cpu.weight)
@@ -79,9 +80,9 @@ for controller in /sys/fs/cgroup/cpu /sys/fs/cgroup; do
 done
 if [ -z "$background_cgroup" ]; then
     echo "== pytest: end-to-end tests that hold beside another engine (two at a time)"
-    .venv/bin/python -m pytest $e2e_beside
+    .venv/bin/python -m pytest "${e2e_beside[@]}"
     echo "== pytest: timing-sensitive end-to-end tests (one at a time)"
-    exec .venv/bin/python -m pytest -p no:cacheprovider -q -m "not parallel_safe" tests/e2e
+    exec .venv/bin/python -m pytest "${e2e_sensitive[@]}"
 fi
 stop_background() {
     # the kill path: every process of the cgroup (pytest, its workers, their runtimes and engines)
@@ -98,13 +99,13 @@ trap stop_background EXIT
 background_log=$(mktemp)
 background_temp=$(mktemp -d)
 # the subshell enters the cgroup before it starts pytest, so every child is in it from the start
-( echo "$BASHPID" >"$background_cgroup/cgroup.procs" && exec .venv/bin/python -m pytest $e2e_beside \
+( echo "$BASHPID" >"$background_cgroup/cgroup.procs" && exec .venv/bin/python -m pytest "${e2e_beside[@]}" \
       --basetemp "$background_temp/e2e" ) >"$background_log" 2>&1 &
 background=$!
 echo "== pytest: timing-sensitive end-to-end tests (one at a time; the parallel_safe modules run beside them"
 echo "   in a CPU cgroup of the lowest weight, $background_cgroup)"
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -q -m "not parallel_safe" tests/e2e
+.venv/bin/python -m pytest "${e2e_sensitive[@]}"
 sensitive=$?
 wait "$background"
 beside=$?
