@@ -351,6 +351,13 @@ def request_intervals(step_log: Path) -> tuple[Any, Any, Any, Any]:
     return (np.asarray(data.arrival, dtype=float), *admission_intervals(data))
 
 
+def fit_figures(fit: Any) -> dict[str, Any]:
+    """What the report keeps of an admission delay's fit (an AdmissionFit)."""
+    return {"base_ms": fit.base_ms, "per_prompt_token_ms": fit.per_prompt_token_ms, "requests": fit.requests,
+            "exact": fit.exact, "mean_ms": fit.mean_ms, "mean_to_scheduler_ms": fit.mean_to_scheduler_ms,
+            "mean_miss_ms": fit.mean_miss_ms}
+
+
 def calibrate_admission(work: Path, traces: list[Any], limits: dict[str, int], loads: list[float],
                         slowdown: float) -> dict[str, Any]:
     """Serve the calibration loads on a paced engine of their own (FCFS) and fit the admission delay
@@ -386,11 +393,8 @@ def calibrate_admission(work: Path, traces: list[Any], limits: dict[str, int], l
         if chosen.any():
             per_trace[name] = {"requests": int(chosen.sum()), "mean_to_scheduler_ms": float(high[chosen].mean()),
                                "mean_fitted_ms": float((fit.base_ms + fit.per_prompt_token_ms * prompt[chosen]).mean())}
-    delay = {"base_ms": fit.base_ms, "per_prompt_token_ms": fit.per_prompt_token_ms,
-             "source": f"calibrated on this host ({fit.requests} requests, {fit.exact} known exactly)",
-             "requests": fit.requests, "exact": fit.exact, "mean_ms": fit.mean_ms,
-             "mean_to_scheduler_ms": fit.mean_to_scheduler_ms, "mean_miss_ms": fit.mean_miss_ms,
-             "per_trace": per_trace, "calibration_s": time.monotonic() - started}
+    delay = {**fit_figures(fit), "source": f"calibrated on this host ({fit.requests} requests, {fit.exact} known "
+             "exactly)", "per_trace": per_trace, "calibration_s": time.monotonic() - started}
     log(f"calibration: admission delay {fit.base_ms:.3g} ms + {fit.per_prompt_token_ms:.3g} ms per prompt token of "
         f"host time, {fit.mean_ms:.3g} ms on average ({fit.mean_to_scheduler_ms:.3g} ms to the scheduler with the "
         f"wait for a step boundary); {delay['calibration_s']:.0f} s")
@@ -423,9 +427,7 @@ def admission_delay(choice: str, work: Path, traces: list[Any], limits: dict[str
     if fit is None:
         raise SystemExit(f"{path}: too few request lines to fit the admission delay (a step log written before "
                          "they existed?); pass --admission-delay calibrate, none, or a model file")
-    return {"base_ms": fit.base_ms, "per_prompt_token_ms": fit.per_prompt_token_ms,
-            "source": f"fitted to the step log {path} ({fit.requests} requests)", "requests": fit.requests,
-            "exact": fit.exact, "mean_ms": fit.mean_ms, "mean_to_scheduler_ms": fit.mean_to_scheduler_ms}
+    return {**fit_figures(fit), "source": f"fitted to the step log {path} ({fit.requests} requests)"}
 
 
 def run_order(predicted: dict[str, Any], wanted: set[str] | None) -> list[tuple[str, list[tuple[str, str, str]]]]:
@@ -566,9 +568,7 @@ def run_speeds(work: Path, traces: list[Any], limits: dict[str, int], predicted:
             chosen = (stamps >= low) & (stamps <= high)
             fitted = fit_admission(prompts[chosen], shortest[chosen], longest[chosen])
             if fitted is not None:
-                row["admission_in_run"] = {"base_ms": fitted.base_ms, "per_prompt_token_ms": fitted.per_prompt_token_ms,
-                                           "mean_ms": fitted.mean_ms, "requests": fitted.requests,
-                                           "mean_to_scheduler_ms": fitted.mean_to_scheduler_ms}
+                row["admission_in_run"] = fit_figures(fitted)
                 log(f"admission: {trace} @ {float(load):.0%} {run_name}: the run's own requests give "
                     f"{fitted.mean_ms:.3g} ms on average (to the scheduler {fitted.mean_to_scheduler_ms:.3g} ms)")
             slower = dataclasses.replace(

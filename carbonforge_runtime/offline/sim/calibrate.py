@@ -441,7 +441,7 @@ def format_admission(fit: AdmissionFit | None) -> str:
                            f"with the wait for a step boundary)"),
             ("mean miss", f"{fit.mean_miss_ms:.3g} ms outside the requests' intervals")]
     if fit.unfitted:
-        rows.append(("not in the log", "prompts of different lengths: per_prompt_token fixed at 0"))
+        rows.append(("not in the log", "prompts of different lengths (all had one): per_prompt_token fixed at 0"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
 
