@@ -74,6 +74,11 @@ def dead_proxy() -> Iterator[dict[str, str]]:
 #: The drain of the drain check's engine: its leftovers are ended 2 s after the signal (half the drain).
 DRAIN_S = 4
 OVERRIDE_NAME = "tiny-override"
+#: The drain check's long answers. The tiny model decodes a dozen sequences at about a millisecond a
+#: step on a fast host, so 4,000 tokens could end before the drain does; 60,000 cannot. The stand-in's
+#: context is stretched to hold them (its rotary positions extend past the 4,096 it was built with).
+LONG_TOKENS = 60_000
+OVERRIDE_CONTEXT = 65_536
 
 
 @dataclass
@@ -85,14 +90,16 @@ class OverrideEngine:
 
 @pytest.fixture
 def override_engine(tmp_path: Path, tiny_model: str) -> Iterator[OverrideEngine]:
-    """A fresh engine of its own for the drain that runs out: an engine that has already served runs
-    fast enough for the long requests to finish before the signal. Override mode, with a short drain
-    and a trace file, behind a dead proxy."""
+    """A fresh engine of its own for the drain that runs out, so that its trace holds only the drain's
+    requests. Override mode, with a short drain, a context long enough for answers no drain can wait
+    out, and a trace file, behind a dead proxy."""
     trace = tmp_path / "requests.jsonl"
     with dead_proxy() as proxy_env:
         runtime = RuntimeProcess(
             ["--request-trace", "standard", "--trace-file", str(trace), "--",
-             tiny_model, "--served-model-name", OVERRIDE_NAME, "--dtype", "bfloat16", "--max-model-len", "4096",
+             tiny_model, "--served-model-name", OVERRIDE_NAME, "--dtype", "bfloat16",
+             "--max-model-len", str(OVERRIDE_CONTEXT),
+             "--hf-overrides", json.dumps({"max_position_embeddings": OVERRIDE_CONTEXT}),
              "--shutdown-timeout", str(DRAIN_S)],
             tmp_path / "logs", env=proxy_env,
         ).start()
@@ -128,7 +135,7 @@ def test_a_drain_that_runs_out_ends_every_request_in_one_record_behind_a_dead_pr
         def one(i: int) -> tuple[str, str | None]:
             stream = client.chat.completions.create(
                 model=OVERRIDE_NAME, messages=[{"role": "user", "content": f"Say something, {i}"}],
-                max_tokens=24 if i % 2 else 4000, stream=True,
+                max_tokens=24 if i % 2 else LONG_TOKENS, stream=True,
                 extra_body={"ignore_eos": True, **({} if i % 2 else {"stream_interval": 200})})
             all_sent.wait()
             answer_id, reason = "", None
