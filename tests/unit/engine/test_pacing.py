@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from carbonforge_runtime.core.contract import CONTRACT_ENV, Emulation, EngineContract, Ordering, StepLogConfig
+from carbonforge_runtime.core.feed_protocol import EngineCounters
 from carbonforge_runtime.engine import pacing
 from carbonforge_runtime.engine.pacing import Lateness, period_start, summary_line
 from tests.support.scheduler_harness import Engine
@@ -293,3 +295,45 @@ def test_without_emulation_nothing_is_paced(vllm_parts: dict[str, Any], monkeypa
     engine.add("a", list(range(1, 21)), max_tokens=3)
     drain(engine, clock, forward_s=0.0)
     assert clock.sleeps == [] and engine.scheduler.cf_counters.emulated_steps_total == 0
+
+
+def thread_sched_field(tid: int, field: str) -> int | None:
+    """A field of /proc's scheduler statistics of one thread of this process (None where absent)."""
+    try:
+        text = Path(f"/proc/self/task/{tid}/sched").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == field:
+            return int(value.strip().split(".")[0])
+    return None
+
+
+def test_the_pacing_thread_gets_a_short_slice_and_keeps_its_nice_value() -> None:
+    result: dict[str, Any] = {}
+
+    def on_a_thread_of_its_own() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 3)
+        result["default"] = thread_sched_field(tid, "se.slice")
+        result["refused"] = pacing.ask_for_short_slice(250_000)
+        result["slice"] = thread_sched_field(tid, "se.slice")
+        result["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        result["policy"] = os.sched_getscheduler(0)
+
+    thread = threading.Thread(target=on_a_thread_of_its_own)
+    thread.start()
+    thread.join(timeout=30)
+    if result["default"] is None:
+        pytest.skip("this kernel does not show a thread's slice in /proc")
+    assert result["refused"] is None
+    assert result["slice"] == 250_000 != result["default"]
+    assert result["nice"] == 3 and result["policy"] == os.SCHED_OTHER
+
+
+def test_the_pacer_says_when_its_slice_was_refused(monkeypatch: pytest.MonkeyPatch, engine_log: Captured) -> None:
+    monkeypatch.setattr(pacing, "ask_for_short_slice", lambda: "Operation not permitted")
+    monkeypatch.setattr(pacing, "quiet_workers", lambda log: None)
+    pacing.start_pacer(MODEL, EngineCounters(), logging.getLogger("vllm.carbonforge"))
+    assert any("could not shorten" in text and "Operation not permitted" in text for _, text in engine_log.lines)
