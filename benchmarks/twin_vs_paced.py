@@ -43,10 +43,12 @@ salt, so no run finds another's blocks in the prefix cache.
 Per cell, the table gives the twin against the paced engine (mean and p99 e2e, mean TTFT,
 throughput), the relative errors and pass/fail against the targets (5%, 10%, 10%, 3%), FCFS served
 twice against itself (3%), the paced engine's late-step share in that run (from its metrics
-counters; a run with more than 1% of its steps late is not faithful) and the machine's load
-average. The ranking check: for each cell and metric, wherever the paced engine's difference
-between two families exceeds the FCFS noise of that cell, whether the twin puts them the same way
-round.
+counters; a run with more than 1% of its steps late is not faithful), the worst lag of an arrival
+behind its due time beyond the run's usual hand-over (a stall of the load generator or the API server
+of more than 50 ms also makes a run not faithful) and the machine's load average. A run that is not
+faithful is served again, up to three attempts; the report lists every discarded attempt and why.
+The ranking check: for each cell and metric, wherever the paced engine's difference between two
+families exceeds the FCFS noise of that cell, whether the twin puts them the same way round.
 
     PYTHONPATH=. .venv/bin/python benchmarks/twin_vs_paced.py --emulate-slowdown 0.5 \\
         --json benchmarks/results/twin_vs_paced.json --markdown benchmarks/results/twin_vs_paced.md
@@ -103,6 +105,12 @@ REPEAT_TARGET = 0.03
 METRICS = (("mean_e2e", "mean e2e"), ("p99_e2e", "p99 e2e"), ("mean_ttft", "mean TTFT"), ("throughput", "req/s"))
 LOWER_IS_BETTER = {"mean_e2e": True, "p99_e2e": True, "mean_ttft": True, "throughput": False}
 LATE_LIMIT = 0.01
+# An arrival stamped this much later than the run's usual hand-over means the host stalled (the
+# load generator or the API server): on this machine a run's worst is 5-18 ms, a stall 100s of ms.
+ARRIVAL_STALL_S = 0.05
+# A run that is not faithful (late steps over LATE_LIMIT, a stalled arrival, a request lost) is
+# served again, at most this many times in all; every attempt stays in the JSON.
+MAX_ATTEMPTS = 3
 #: Token ids the stand-in model accepts (its vocabulary has 4,102).
 TOKEN_LOW, TOKEN_HIGH = 100, 4000
 WARMUP_REQUESTS = 12
@@ -274,6 +282,7 @@ class PacedEngine:
             self.dir / "logs", env={"CF_RECIPES_DIR": str(recipes), "CF_METRICS_PORT": str(self.metrics_port)})
         self.tail = TraceTail(self.trace)
         self.served_name = "Qwen/Qwen3-32B-FP8"
+        self.last_arrivals: dict[str, float] = {}
 
     def __enter__(self) -> PacedEngine:
         self.process.__enter__()
@@ -307,7 +316,26 @@ class PacedEngine:
         result = asyncio.run(run_replay(plan, options))
         errors = sorted({o.error for o in result.outcomes if o.error})
         records = self.tail.wait({o.request_id for o in result.outcomes if o.request_id})
+        self.last_arrivals = arrival_timing(result, records)
         return records, errors
+
+
+def arrival_timing(result: Any, records: list[dict[str, Any]]) -> dict[str, float]:
+    """How closely the arrivals the engine saw kept to the schedule, in real seconds.
+
+    A request's lag is its arrival stamp (the API server's) less the time it was due; the run's
+    median lag is the usual hand-over, so ``worst_excess_s`` is how much later than usual the most
+    delayed request arrived: a stall of the load generator or of the API server. ``client_lag_s``
+    is the load generator's own worst lateness in sending, which tells the two apart.
+    """
+    stamps = {r["request_id"]: r["t_arrival"] for r in records}
+    lags = sorted(stamps[o.request_id] - (result.started_at + o.scheduled_s)
+                  for o in result.outcomes if o.request_id in stamps)
+    usual = lags[len(lags) // 2] if lags else 0.0
+    sent = [o.sent_s - o.scheduled_s for o in result.outcomes if o.sent_s is not None]
+    return {"worst_excess_s": (lags[-1] - usual) if lags else 0.0,
+            "stalled": float(sum(lag - usual > ARRIVAL_STALL_S for lag in lags)),
+            "client_lag_s": max(sent, default=0.0)}
 
 
 # -- the host's admission delay --------------------------------------------------------------------------
@@ -462,26 +490,56 @@ def run_engines(work: Path, predicted: dict[str, Any], slowdown: float, wanted: 
             engine.serve([{**a, "arrival_s": 0.0} for a in warm], salt)
             for run_name, trace, load in runs:
                 cell = predicted[trace]["loads"][load]
-                salt += 1
-                steps0, late0 = engine.counters()
-                load0, t0 = loadavg(), time.monotonic()
-                records, errors = engine.serve(cell["arrivals"], salt)
-                wall = time.monotonic() - t0
-                steps1, late1 = engine.counters()
-                m = scaled_metrics(request_figures(records), slowdown)
-                steps, late = steps1 - steps0, late1 - late0
-                row = {**m, "steps": steps, "late_steps": late, "late_share": late / steps if steps else 0.0,
-                       "loadavg_start": load0, "loadavg_end": loadavg(), "wall_s": wall, "errors": errors,
-                       "sent": len(cell["arrivals"])}
-                results.setdefault(trace, {}).setdefault(load, {})[run_name] = row
-                tw = cell["twin"].get(family, {})
-                log(f"paced: {trace} @ {float(load):.0%} {run_name}: {m['n']:.0f}/{len(cell['arrivals'])} in "
-                    f"{wall:.0f} s: mean e2e {m['mean_e2e']:.2f} s (twin {tw.get('mean_e2e', math.nan):.2f}), "
-                    f"p99 {m['p99_e2e']:.2f} s ({tw.get('p99_e2e', math.nan):.2f}), "
-                    f"TTFT {m['mean_ttft']:.2f} s ({tw.get('mean_ttft', math.nan):.2f}), "
-                    f"{m['throughput']:.3f} req/s ({tw.get('throughput', math.nan):.3f}); "
-                    f"late {late:.0f}/{steps:.0f} steps; load {load0:.2f}" + (f"; errors: {errors}" if errors else ""))
+                discarded: list[dict[str, Any]] = []
+                for attempt in range(1, MAX_ATTEMPTS + 1):
+                    salt += 1
+                    row = serve_run(engine, cell, salt, slowdown)
+                    tw = cell["twin"].get(family, {})
+                    log(f"paced: {trace} @ {float(load):.0%} {run_name}: {row['n']:.0f}/{row['sent']} in "
+                        f"{row['wall_s']:.0f} s: mean e2e {row['mean_e2e']:.2f} s "
+                        f"(twin {tw.get('mean_e2e', math.nan):.2f}), "
+                        f"p99 {row['p99_e2e']:.2f} s ({tw.get('p99_e2e', math.nan):.2f}), "
+                        f"TTFT {row['mean_ttft']:.2f} s ({tw.get('mean_ttft', math.nan):.2f}), "
+                        f"{row['throughput']:.3f} req/s ({tw.get('throughput', math.nan):.3f}); "
+                        f"late {row['late_steps']:.0f}/{row['steps']:.0f} steps; arrivals at worst "
+                        f"{row['arrival_excess_s'] * 1000:.0f} ms late; load {row['loadavg_start']:.2f}"
+                        + (f"; errors: {row['errors']}" if row["errors"] else ""))
+                    why = unfaithful(row)
+                    if not why or attempt == MAX_ATTEMPTS:
+                        break
+                    log(f"paced: not faithful ({why}): served again (attempt {attempt + 1} of {MAX_ATTEMPTS})")
+                    discarded.append({**row, "why": why})
+                results.setdefault(trace, {}).setdefault(load, {})[run_name] = {**row, "discarded": discarded}
                 save()
+
+
+def serve_run(engine: PacedEngine, cell: dict[str, Any], salt: int, slowdown: float) -> dict[str, Any]:
+    """One run of a cell's arrivals: the request figures (modelled seconds), step and arrival counts."""
+    steps0, late0 = engine.counters()
+    load0, t0 = loadavg(), time.monotonic()
+    records, errors = engine.serve(cell["arrivals"], salt)
+    wall = time.monotonic() - t0
+    steps1, late1 = engine.counters()
+    m = scaled_metrics(request_figures(records), slowdown)
+    steps, late = steps1 - steps0, late1 - late0
+    arrivals = engine.last_arrivals
+    return {**m, "steps": steps, "late_steps": late, "late_share": late / steps if steps else 0.0,
+            "arrival_excess_s": arrivals["worst_excess_s"], "stalled_arrivals": arrivals["stalled"],
+            "client_lag_s": arrivals["client_lag_s"], "loadavg_start": load0, "loadavg_end": loadavg(),
+            "wall_s": wall, "errors": errors, "sent": len(cell["arrivals"])}
+
+
+def unfaithful(row: dict[str, Any]) -> str:
+    """Why a paced run does not show what the modelled GPU would do ('' when it does)."""
+    why = []
+    if row["late_share"] > LATE_LIMIT:
+        why.append(f"{row['late_share']:.1%} of steps late")
+    if row.get("stalled_arrivals", 0):
+        why.append(f"{row['stalled_arrivals']:.0f} arrivals stalled, the worst {row['arrival_excess_s'] * 1000:.0f} ms"
+                   f" (load generator's worst send lag {row['client_lag_s'] * 1000:.0f} ms)")
+    if row["n"] != row["sent"]:
+        why.append(f"{row['sent'] - row['n']:.0f} requests not served")
+    return "; ".join(why)
 
 
 def gpu_block_check(traces: list[Any], limits: dict[str, int], predicted: dict[str, Any],
@@ -613,7 +671,8 @@ def rel(pred: float, real: float) -> float:
 
 def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) -> tuple[str, dict[str, Any]]:
     lines = ["| trace | load | family | " + " | ".join(f"{label} twin / paced (err)" for _, label in METRICS)
-             + " | meets targets | FCFS vs FCFS (e2e, p99, TTFT, req/s) | late steps | steps vs model (late overrun)"
+             + " | meets targets | FCFS vs FCFS (e2e, p99, TTFT, req/s) | late steps; worst arrival lag (real)"
+             " | steps vs model (late overrun)"
              " | twin at the run's step speed: errors (e2e, p99, TTFT, req/s) | load avg |",
              "|---|---|---|" + "---|" * len(METRICS) + "---|---|---|---|---|---|"]
     cells: list[dict[str, Any]] = []
@@ -632,7 +691,7 @@ def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) 
                     continue
                 errs = {m: rel(twin[m], paced[m]) for m, _ in METRICS}
                 ok = {m: math.isfinite(errs[m]) and abs(errs[m]) <= TARGETS[m] for m, _ in METRICS}
-                faithful = paced["late_share"] <= LATE_LIMIT and paced["n"] == paced["sent"]
+                faithful = not unfaithful(paced)
                 at_speed = paced.get("twin_at_run_speed")
                 errs_speed = None if at_speed is None else {m: rel(at_speed[m], paced[m]) for m, _ in METRICS}
                 cells.append({"trace": trace, "load": float(load), "run": run_name, "family": family, "twin": twin,
@@ -648,7 +707,9 @@ def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) 
                     f"{repeat[m]:.1%}{'' if repeat[m] <= REPEAT_TARGET else '!'}" for m, _ in METRICS))
                 missed = [label for m, label in METRICS if not ok[m]]
                 verdict = "yes" if not missed else "no: " + ", ".join(missed)
-                late = f"{paced['late_share']:.2%} ({paced['late_steps']:.0f}/{paced['steps']:.0f})"
+                late = (f"{paced['late_share']:.2%} ({paced['late_steps']:.0f}/{paced['steps']:.0f}); "
+                        + ("-" if "arrival_excess_s" not in paced else f"{paced['arrival_excess_s'] * 1000:.0f} ms")
+                        + (f"; attempt {len(paced['discarded']) + 1}" if paced.get("discarded") else ""))
                 lines.append(
                     f"| {trace} | {float(load):.0%} | {run_name} | " + " | ".join(
                         f"{twin[m]:.3f} / {paced[m]:.3f} ({errs[m]:+.1%})" for m, _ in METRICS)
@@ -679,14 +740,23 @@ def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) 
     repeat_ok = [c for c in cells if c["run"] == "fcfs" and c["repeat"] is not None]
     speed_cells = [c for c in cells if c["all_pass_at_run_speed"] is not None]
     faithful_cells = [c for c in cells if c["faithful"]]
-    lines += ["", f"Cells meeting every target: {passed} of {len(cells)} (of the {len(faithful_cells)} faithful ones, "
-              f"at most 1% of steps late: {sum(c['all_pass'] for c in faithful_cells)}). With the twin's steps as long "
+    lines += ["", f"Cells meeting every target: {passed} of {len(cells)} (of the {len(faithful_cells)} faithful ones: "
+              f"{sum(c['all_pass'] for c in faithful_cells)}). With the twin's steps as long "
               f"as each run's own steps were (after the fact, not a prediction): "
               f"{sum(bool(c['all_pass_at_run_speed']) for c in speed_cells)} of {len(speed_cells)}.",
               "", f"FCFS served twice within {REPEAT_TARGET:.0%} of itself on every metric: "
               f"{sum(all(v <= REPEAT_TARGET for v in c['repeat'].values()) for c in repeat_ok)} of {len(repeat_ok)} "
               f"cells. Ranking: {agree} of {len(judged_pairs)} judged pairs (family pairs and metrics whose paced "
               f"difference exceeds that cell's FCFS noise) ranked by the twin as by the paced engine."]
+    again = [c for c in cells if c["paced"].get("discarded")]
+    lines += ["", f"Runs served again because an attempt was not faithful (more than 1% of steps late, an arrival "
+              f"stalled more than {ARRIVAL_STALL_S * 1000:.0f} ms, a request lost; at most {MAX_ATTEMPTS} attempts, "
+              f"every one in the JSON): {len(again)}."]
+    for c in again:
+        for k, d in enumerate(c["paced"]["discarded"], 1):
+            lines.append(f"- {c['trace']} @ {c['load']:.0%} {c['run']}, attempt {k}: {d['why']}; its mean TTFT "
+                         f"{d['mean_ttft']:.3f} s, mean e2e {d['mean_e2e']:.3f} s (kept attempt: "
+                         f"{c['paced']['mean_ttft']:.3f} s, {c['paced']['mean_e2e']:.3f} s)")
     for r in judged_pairs:
         if not r["agrees"]:
             lines.append(f"- disagrees: {r['trace']} @ {r['load']:.0%} {r['a']} vs {r['b']}, {r['metric']}: paced "

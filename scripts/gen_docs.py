@@ -362,15 +362,18 @@ def twin_vs_paced_table() -> str:
               f"{twin[m]:.3f} / {paced[m]:.3f} ({errors[m] * 100:+.1f}%)" for m, _ in _TVP_METRICS),
             "yes" if not missed else "no (" + ", ".join(missed) + ")",
             "" if c["run"] != "fcfs" or not repeat else " / ".join(f"{repeat[m] * 100:.1f}%" for m, _ in _TVP_METRICS),
-            f"{paced['late_share'] * 100:.1f}%",
+            f"{paced['late_share'] * 100:.1f}%"
+            + ("" if "arrival_excess_s" not in paced else f" / {paced['arrival_excess_s'] * 1000:.0f} ms")
+            + (f" (attempt {len(paced['discarded']) + 1})" if paced.get("discarded") else ""),
             "-" if "speed" not in paced else f"{(paced['speed'] - 1) * 100:+.1f}%",
             "-" if not c.get("errors_at_run_speed") else " / ".join(
                 f"{c['errors_at_run_speed'][m] * 100:+.1f}%" for m, _ in _TVP_METRICS),
             f"{paced['loadavg_start']:.1f}-{paced['loadavg_end']:.1f}",
         ))
     return _table(["Trace", "Load", "Run", *(f"{label}: twin / paced (error)" for _, label in _TVP_METRICS),
-                   "Targets met", "FCFS vs FCFS (the 4 figures)", "Late steps", "Paced steps vs model",
-                   "Twin at the run's step speed: errors (the 4 figures)", "Load average"], rows)
+                   "Targets met", "FCFS vs FCFS (the 4 figures)", "Late steps / worst arrival lag",
+                   "Paced steps vs model", "Twin at the run's step speed: errors (the 4 figures)",
+                   "Load average"], rows)
 
 
 def twin_vs_paced_ordering_table() -> str:

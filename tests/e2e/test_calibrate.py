@@ -7,8 +7,9 @@ pace), so a deeper random-weight stand-in serves: the prediction benchmark's own
 
 Checked: the fitted model file loads as a step-time model; the predicted-against-served table is
 printed with its four rows after the twin's prediction; the local recipe loads through
-CF_RECIPES_DIR (``recipes show`` and a dry run of ``serve``, no second engine) with its benchmark
-block labelled measured on the CPU engine; ``tune --cost-model`` runs on the fitted file."""
+CF_RECIPES_DIR (``recipes show`` and a dry run of ``serve``) with its benchmark block labelled
+measured on the CPU engine, and ``serve`` then serves it (a second engine start, eager, about half a
+minute) to the OpenAI SDK; ``tune --cost-model`` runs on the fitted file."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import yaml
 
 from carbonforge_runtime.core.step_models import load_model_file
-from tests.support import REPO, STARTS, tiny_model_dir
+from tests.support import REPO, STARTS, RuntimeProcess, tiny_model_dir
 
 KEY = "cf-deep:bf16:chat:cpu"
 LAYERS = 8
@@ -106,6 +108,20 @@ def test_calibrate_the_cpu_engine_end_to_end(tmp_path: Path) -> None:
     dry = cli(["serve", "--context-key", KEY, "--dry-run"], local, 60)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert str(written) in dry.stdout
+
+    # Served for real from that directory: the engine takes the written recipe and answers the SDK.
+    runtime = RuntimeProcess(["--context-key", KEY], tmp_path / "serve-logs", env={"CF_RECIPES_DIR": str(recipes)})
+    try:
+        runtime.start().wait_ready()
+        client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=120, max_retries=0)
+        answer = client.chat.completions.create(model="carbonforge/tiny-chat", max_tokens=8,
+                                                messages=[{"role": "user", "content": "hello"}],
+                                                extra_body={"ignore_eos": True})
+        assert answer.usage is not None and answer.usage.completion_tokens == 8
+        assert runtime.stop() == 0, runtime.output()
+    finally:
+        runtime.kill()
+    assert str(written) in runtime.output(), runtime.output()[-3000:]
 
     # tune on the calibrated recipe with the fitted model (the check load as its trace).
     result = tmp_path / "tune.json"

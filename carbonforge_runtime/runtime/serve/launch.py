@@ -377,7 +377,7 @@ def _serve(options: ServeOptions, settings: Settings, environ: Mapping[str, str]
         if observe is not None and group is not None:
             observe.watch_group(group.hosts_lost)
         engine = supervisor.EngineProcess(plan.argv, engine_env, log_dir / "vllm.log")
-        what = plan.recipe.key_text if plan.recipe else f"override ({plan.model})"
+        what = f"{plan.recipe.key_text} (recipe {plan.recipe.source})" if plan.recipe else f"override ({plan.model})"
         logger.info("starting vLLM for %s; engine log: %s", what, engine.log_path)
         if licence_watch is not None:  # checks every minute until the finally below
             licence_watch.start()
