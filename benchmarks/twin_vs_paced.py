@@ -48,7 +48,10 @@ behind its due time beyond the run's usual hand-over (a stall of the load genera
 of more than 50 ms also makes a run not faithful) and the machine's load average. A run that is not
 faithful is served again, up to three attempts; the report lists every discarded attempt and why.
 The ranking check: for each cell and metric, wherever the paced engine's difference between two
-families exceeds the FCFS noise of that cell, whether the twin puts them the same way round.
+families exceeds the FCFS noise of that cell, whether the twin puts them the same way round. A pair
+whose two runs both admitted every request in arrival order (no request overtook an earlier one, read
+from the trace records' queue waits) is not judged: the families made FCFS's decisions, so the
+difference is noise; the report says whether the twin predicted a tie there.
 
     PYTHONPATH=. .venv/bin/python benchmarks/twin_vs_paced.py --emulate-slowdown 0.5 \\
         --json benchmarks/results/twin_vs_paced.json --markdown benchmarks/results/twin_vs_paced.md
@@ -62,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -111,6 +115,9 @@ ARRIVAL_STALL_S = 0.05
 # A run that is not faithful (late steps over LATE_LIMIT, a stalled arrival, a request lost) is
 # served again, at most this many times in all; every attempt stays in the JSON.
 MAX_ATTEMPTS = 3
+# Requests the engine admits in one step are stamped within this of each other (a paced step is
+# tens of milliseconds of real time).
+SAME_STEP_S = 0.001
 #: Token ids the stand-in model accepts (its vocabulary has 4,102).
 TOKEN_LOW, TOKEN_HIGH = 100, 4000
 WARMUP_REQUESTS = 12
@@ -313,11 +320,34 @@ class PacedEngine:
                 for a in arrivals]
         options = RunOptions(base_url=self.process.base_url, model=self.served_name, concurrency=1024,
                              deadline_s=deadline_s, request_timeout_s=deadline_s, progress_every_s=1e9)
-        result = asyncio.run(run_replay(plan, options))
+        with CollectorPauses() as pauses:
+            result = asyncio.run(run_replay(plan, options))
         errors = sorted({o.error for o in result.outcomes if o.error})
         records = self.tail.wait({o.request_id for o in result.outcomes if o.request_id})
-        self.last_arrivals = arrival_timing(result, records)
+        self.last_arrivals = {**arrival_timing(result, records), "collector_pause_s": pauses.worst_s}
         return records, errors
+
+
+class CollectorPauses:
+    """The longest garbage-collector pause of this process (the load generator) while in the block."""
+
+    def __init__(self) -> None:
+        self.worst_s = 0.0
+        self._began: float | None = None
+
+    def _note(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.worst_s = max(self.worst_s, time.perf_counter() - self._began)
+            self._began = None
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
 
 
 def arrival_timing(result: Any, records: list[dict[str, Any]]) -> dict[str, float]:
@@ -336,6 +366,22 @@ def arrival_timing(result: Any, records: list[dict[str, Any]]) -> dict[str, floa
     return {"worst_excess_s": (lags[-1] - usual) if lags else 0.0,
             "stalled": float(sum(lag - usual > ARRIVAL_STALL_S for lag in lags)),
             "client_lag_s": max(sent, default=0.0)}
+
+
+def overtakers(records: list[dict[str, Any]]) -> int:
+    """How many requests the engine admitted ahead of one that had arrived before them.
+
+    A request is admitted at its arrival stamp plus its queue wait; requests taken in the same step
+    share that moment (within ``SAME_STEP_S``). Zero means the run served in arrival order, so a
+    family that reorders made the same decisions as FCFS there.
+    """
+    admitted = sorted((float(r["t_arrival"]), float(r["t_arrival"]) + float(r["queue_wait_s"]))
+                      for r in records if r.get("queue_wait_s") is not None)
+    latest, count = -math.inf, 0
+    for _, at in admitted:
+        count += at < latest - SAME_STEP_S
+        latest = max(latest, at)
+    return count
 
 
 # -- the host's admission delay --------------------------------------------------------------------------
@@ -525,7 +571,8 @@ def serve_run(engine: PacedEngine, cell: dict[str, Any], salt: int, slowdown: fl
     arrivals = engine.last_arrivals
     return {**m, "steps": steps, "late_steps": late, "late_share": late / steps if steps else 0.0,
             "arrival_excess_s": arrivals["worst_excess_s"], "stalled_arrivals": arrivals["stalled"],
-            "client_lag_s": arrivals["client_lag_s"], "loadavg_start": load0, "loadavg_end": loadavg(),
+            "client_lag_s": arrivals["client_lag_s"], "collector_pause_s": arrivals["collector_pause_s"],
+            "overtakers": overtakers(records), "loadavg_start": load0, "loadavg_end": loadavg(),
             "wall_s": wall, "errors": errors, "sent": len(cell["arrivals"])}
 
 
@@ -536,7 +583,8 @@ def unfaithful(row: dict[str, Any]) -> str:
         why.append(f"{row['late_share']:.1%} of steps late")
     if row.get("stalled_arrivals", 0):
         why.append(f"{row['stalled_arrivals']:.0f} arrivals stalled, the worst {row['arrival_excess_s'] * 1000:.0f} ms"
-                   f" (load generator's worst send lag {row['client_lag_s'] * 1000:.0f} ms)")
+                   f" (load generator's worst send lag {row['client_lag_s'] * 1000:.0f} ms, its longest "
+                   f"collector pause {row.get('collector_pause_s', math.nan) * 1000:.0f} ms)")
     if row["n"] != row["sent"]:
         why.append(f"{row['sent'] - row['n']:.0f} requests not served")
     return "; ".join(why)
@@ -723,13 +771,17 @@ def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) 
                     for m, _ in METRICS:
                         diff = abs(rel(served[a][m], served[b][m]))
                         floor = None if repeat is None else repeat[m]
-                        judged = floor is not None and diff > floor
+                        # Both families admitted every request in arrival order: the same decisions,
+                        # so what differs between the two runs is the engine's noise, not the family.
+                        same_order = served[a].get("overtakers") == 0 and served[b].get("overtakers") == 0
+                        judged = floor is not None and diff > floor and not same_order
                         entry_r = {"trace": trace, "load": float(load), "a": a, "b": b, "metric": m,
-                                   "paced_diff": diff, "noise": floor, "judged": judged}
+                                   "paced_diff": diff, "noise": floor, "judged": judged, "same_order": same_order,
+                                   "twin_tie": abs(rel(cell["twin"][a][m], cell["twin"][b][m])) < 1e-6}
                         if judged:
                             paced_a = (served[a][m] < served[b][m]) == LOWER_IS_BETTER[m]
                             twin_a = (cell["twin"][a][m] < cell["twin"][b][m]) == LOWER_IS_BETTER[m]
-                            tie = abs(rel(cell["twin"][a][m], cell["twin"][b][m])) < 1e-6
+                            tie = entry_r["twin_tie"]
                             entry_r.update({"paced_better": a if paced_a else b,
                                             "twin_better": "neither (a tie)" if tie else (a if twin_a else b),
                                             "agrees": not tie and paced_a == twin_a})
@@ -748,6 +800,13 @@ def report(predicted: dict[str, Any], results: dict[str, Any], slowdown: float) 
               f"{sum(all(v <= REPEAT_TARGET for v in c['repeat'].values()) for c in repeat_ok)} of {len(repeat_ok)} "
               f"cells. Ranking: {agree} of {len(judged_pairs)} judged pairs (family pairs and metrics whose paced "
               f"difference exceeds that cell's FCFS noise) ranked by the twin as by the paced engine."]
+    alike = [r for r in ranking if r["same_order"]]
+    if alike:
+        where = ", ".join(sorted({f"{r['trace']} @ {r['load']:.0%}" for r in alike}))
+        lines[-1] += (f" Not judged: {len(alike)} family pairs and metrics where both families admitted every "
+                      f"request in arrival order on the paced engine, so they made the same decisions and their "
+                      f"difference is the engine's noise ({where}); the twin predicts a tie on "
+                      f"{sum(r['twin_tie'] for r in alike)} of them.")
     again = [c for c in cells if c["paced"].get("discarded")]
     lines += ["", f"Runs served again because an attempt was not faithful (more than 1% of steps late, an arrival "
               f"stalled more than {ARRIVAL_STALL_S * 1000:.0f} ms, a request lost; at most {MAX_ATTEMPTS} attempts, "

@@ -1,10 +1,10 @@
-"""The paced-engine benchmark's test of a faithful run: late steps and stalled arrivals."""
+"""The paced-engine benchmark's test of a faithful run (late steps, stalled arrivals) and of its overtaking count."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.twin_vs_paced import ARRIVAL_STALL_S, LATE_LIMIT, arrival_timing, unfaithful
+from benchmarks.twin_vs_paced import ARRIVAL_STALL_S, LATE_LIMIT, arrival_timing, overtakers, unfaithful
 from carbonforge_runtime.offline.replay.aggregate import RequestOutcome
 
 
@@ -51,3 +51,23 @@ def test_a_run_is_faithful_only_without_late_steps_stalls_or_lost_requests() -> 
     stalled = unfaithful(_row(stalled_arrivals=15, arrival_excess_s=0.493, client_lag_s=0.002))
     assert "15 arrivals stalled, the worst 493 ms" in stalled and "send lag 2 ms" in stalled
     assert "1 requests not served" in unfaithful(_row(n=9.0))
+
+
+def _admitted(pairs: list[tuple[float, float]]) -> list[dict[str, float]]:
+    """Trace records from (arrival, admission) times."""
+    return [{"t_arrival": arrival, "queue_wait_s": admitted - arrival} for arrival, admitted in pairs]
+
+
+def test_requests_admitted_in_arrival_order_overtake_no_one() -> None:
+    # Three arrive during one step and are all admitted at its end; a fourth waits for the next step.
+    records = _admitted([(0.0, 0.05), (0.01, 0.05), (0.02, 0.0502), (0.06, 0.10)])
+    assert overtakers(records) == 0
+    # Records come in completion order, not arrival order.
+    assert overtakers(list(reversed(records))) == 0
+
+
+def test_a_request_admitted_before_an_earlier_arrival_is_an_overtaker() -> None:
+    # The long prompt that arrived first waits two steps; the two short ones behind it go first.
+    records = _admitted([(0.0, 0.15), (0.01, 0.05), (0.02, 0.10), (0.2, 0.25)])
+    assert overtakers(records) == 2
+    assert overtakers([*records, {"t_arrival": 0.3, "queue_wait_s": None}]) == 2

@@ -13,6 +13,7 @@ busy two-core machine, which would shift the very arrival times a replay must ke
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -109,9 +110,17 @@ async def run_replay(plan: Sequence[PlannedRequest], options: RunOptions,
         limits=httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=options.concurrency,
                             keepalive_expiry=2.0),
     )
+    frozen_here = False
     try:
         # Also the first request through this client, so its one-time costs fall before the clock.
         model = await _discover_model(client, options.base_url, options.model)
+        # What the process holds before the clock starts (the plan, the caller's own data) is kept
+        # out of the garbage collector's sweeps until the run ends: a full sweep walks every live
+        # object with the event loop held, so its length grows with the caller's heap, and requests
+        # due meanwhile would go out late together.
+        frozen_here = gc.get_freeze_count() == 0
+        gc.collect()
+        gc.freeze()
         loop = asyncio.get_running_loop()
         slots = asyncio.Semaphore(options.concurrency)
         outcomes = [RequestOutcome(p.index, p.send_at_s, expected_prompt_tokens=p.prompt_tokens,
@@ -182,4 +191,6 @@ async def run_replay(plan: Sequence[PlannedRequest], options: RunOptions,
             progress(f"replay: finished {len(outcomes) - failed}/{len(outcomes)} in {duration:.1f} s")
         return ReplayResult(model, started_at, duration, outcomes)
     finally:
+        if frozen_here:
+            gc.unfreeze()
         await client.aclose()

@@ -4,6 +4,7 @@ against a small stand-in OpenAI server (the real openai SDK on the client side).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -184,6 +185,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     bodies: list[dict[str, Any]]
     times: list[float]
+    frozen: list[int]
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         return  # a client that gave up (the deadline test) is expected
@@ -213,6 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.times.append(time.monotonic())
+        self.server.frozen.append(gc.get_freeze_count())
         self.server.bodies.append(body)
         if body["max_tokens"] == 13:
             self._json(500, {"error": {"message": "boom", "type": "server_error"}})
@@ -232,7 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture()
 def stand_in() -> Iterator[_Server]:
     server = _Server(("127.0.0.1", 0), _Handler)
-    server.bodies, server.times = [], []
+    server.bodies, server.times, server.frozen = [], [], []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -267,6 +270,20 @@ def test_replay_against_an_http_server_keeps_pace_sizes_and_records_failures(sta
     summary = result.summary()
     assert summary["ok"] == 5 and summary["errors"] == {"http 500": 1}
     assert summary["output_tokens"] == 5 + 6 + 7 + 8 + 9
+
+
+def test_what_exists_before_the_clock_is_out_of_the_collectors_sweeps_until_the_run_ends(
+        stand_in: _Server, tmp_path: Path) -> None:
+    """A full sweep of a large heap would hold the event loop and send a burst late; the replay
+    freezes what exists when its clock starts and lets it go at the end."""
+    rec = load_recording(write(tmp_path / "t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n0,3,4\n0.1,3,5\n"))
+    base = f"http://127.0.0.1:{stand_in.server_address[1]}/v1"
+    assert gc.get_freeze_count() == 0
+    held = [[i] for i in range(10_000)]  # the caller's own data, alive across the run
+    result = asyncio.run(run_replay(build_plan(rec, PlanOptions()), RunOptions(base_url=base)))
+    assert result.summary()["ok"] == 2
+    assert len(stand_in.frozen) == 2 and min(stand_in.frozen) >= len(held)
+    assert gc.get_freeze_count() == 0
 
 
 def test_the_overall_deadline_cancels_what_is_left(stand_in: _Server, tmp_path: Path) -> None:
