@@ -261,7 +261,7 @@ def _fit(run: _Run, engine: Engine, skip: int, options: Options, gpu: str, tp: i
     model_path = options.output_dir / "step-model.yaml"
     name = f"{options.context_key.split(':', 1)[0]}-{gpu}-tp{tp}-calibrated"
     fitted = fit_model(data, ModelInfo(name[:200], 1, gpu, tp, kv_tokens), engine_facts(data.headers),
-                       str(engine.step_log), model_path)
+                       str(engine.step_log), model_path, writer="calibrate")
     fit = fitted.fit
     write_text_atomic(model_path, fitted.text)
     run.written.append(str(model_path))

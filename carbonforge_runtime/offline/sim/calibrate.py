@@ -488,7 +488,7 @@ def engine_facts(headers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def provenance(data: StepLogData, fit: Fit, facts: Mapping[str, Any], source: str,
-               admission: AdmissionFit | None = None) -> str:
+               admission: AdmissionFit | None = None, writer: str = "sim-calibrate") -> str:
     engine = []
     if "vllm" in facts:
         engine.append(f"vLLM {facts['vllm']}")
@@ -498,7 +498,7 @@ def provenance(data: StepLogData, fit: Fit, facts: Mapping[str, Any], source: st
         engine.append(f"TP {facts['tensor_parallel_size']}")
     if "async_scheduling" in facts:
         engine.append("asynchronous scheduling" if facts["async_scheduling"] else "synchronous scheduling")
-    text = (f"Fitted by carbonforge-runtime sim-calibrate to the step log {source}: {fit.steps} steps with tokens "
+    text = (f"Fitted by carbonforge-runtime {writer} to the step log {source}: {fit.steps} steps with tokens "
             f"logged from {_utc(data.first_t)} to {_utc(data.last_t)}"
             + (f" ({', '.join(engine)})" if engine else "")
             + (f", the first {data.skipped} skipped" if data.skipped else "")
@@ -515,15 +515,16 @@ def provenance(data: StepLogData, fit: Fit, facts: Mapping[str, Any], source: st
     return text
 
 
-def model_text(fit: Fit, info: ModelInfo, provenance_text: str, admission: AdmissionFit | None = None) -> str:
+def model_text(fit: Fit, info: ModelInfo, provenance_text: str, admission: AdmissionFit | None = None,
+               writer: str = "sim-calibrate") -> str:
     """The model as a YAML file in the shipped format (checked by the shipped loader), with the
-    admission delay's section when one was fitted."""
+    admission delay's section when one was fitted; ``writer`` is the subcommand that fitted it."""
     coefficients = fit.coefficients()
     delay = [] if admission is None else [
         "admission_delay_ms:  # host time: the API server's arrival stamp to the engine core's queue",
         *[f"  {name}: {_yaml_float(value)}" for name, value in admission.coefficients().items()]]
     lines = [
-        "# Step-time model fitted by carbonforge-runtime sim-calibrate from an engine's step log. "
+        f"# Step-time model fitted by carbonforge-runtime {writer} from an engine's step log. "
         "Milliseconds per step.",
         yaml.safe_dump({"name": info.name}, allow_unicode=False, width=1000).rstrip("\n"),
         f"version: {info.version}",
@@ -555,12 +556,14 @@ class FittedModel:
     model: StepCostModel
 
 
-def fit_model(data: StepLogData, info: ModelInfo, facts: Mapping[str, Any], source: str, path: Path) -> FittedModel:
+def fit_model(data: StepLogData, info: ModelInfo, facts: Mapping[str, Any], source: str, path: Path,
+              writer: str = "sim-calibrate") -> FittedModel:
     """Fit the step times and the admission delay of ``data`` and write them up as the model file for
-    ``path`` (checked as ``sim --cost-model`` will read it); ``source`` names the log in the provenance."""
+    ``path`` (checked as ``sim --cost-model`` will read it); ``source`` names the log in the provenance
+    and ``writer`` the subcommand (``sim-calibrate`` or ``calibrate``) in the file's header."""
     fit = fit_steps(data.batched, data.kv_read, data.attention, data.wall_ms)
     admission = fit_log_admission(data)
-    text = model_text(fit, info, provenance(data, fit, facts, source, admission), admission)
+    text = model_text(fit, info, provenance(data, fit, facts, source, admission, writer), admission, writer)
     return FittedModel(fit, admission, text, check_model_text(text, path))
 
 

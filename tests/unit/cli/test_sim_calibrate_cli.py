@@ -32,6 +32,7 @@ def test_calibrate_writes_a_model_sim_takes(tmp_path: Path) -> None:
     assert model.per_batched_token_ms == pytest.approx(truth.per_batched_token_ms, rel=0.05)
     assert "2000 steps" in model.provenance and "2026-05-28" in model.provenance and str(log) in model.provenance
     assert "vLLM 0.32.0" in model.provenance and "p90 relative error" in model.provenance
+    assert model.provenance.startswith("Fitted by carbonforge-runtime sim-calibrate to the step log")
     assert resolve_model(str(model_path), None, 1) == model
     first = model_path.read_bytes()
     again = runner.invoke(cli.app, ["sim-calibrate", str(log), "-o", str(model_path), "--gpu", "h100"])

@@ -186,6 +186,11 @@ def test_a_whole_run_writes_the_model_and_a_measured_recipe(tmp_path: Path) -> N
             step_time_s(TRUTH, batched, kv_read, attention), rel=0.03)
     assert model.kv_capacity_tokens == 8192 and model.gpu == "cpu" and not model.proxy
     assert outcome.r2 > 0.99
+    # The file says which command fitted it, in its header and its provenance.
+    model_file = outcome.model.read_text()
+    assert model_file.startswith("# Step-time model fitted by carbonforge-runtime calibrate ")
+    assert "Fitted by carbonforge-runtime calibrate to the step log" in model_file
+    assert "sim-calibrate" not in model_file
     # The host's admission delay, fitted to the log's request lines, is in the model the twin was handed.
     assert model.admission_base_ms == pytest.approx(DELAY_MS[0], rel=1e-3)
     assert model.admission_per_prompt_token_ms == pytest.approx(DELAY_MS[1], rel=1e-3)
