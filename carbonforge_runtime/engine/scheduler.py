@@ -340,7 +340,7 @@ class _CarbonForgeMixin:
             self._cf_counters = self._cf_writer.counters
         self._cf_steps: StepLog | None = None
         if contract.step_log is not None:
-            self._cf_steps = start_step_log(contract.step_log, self, log, VLLM_VERSION)
+            self._cf_steps = start_step_log(contract.step_log, self, log, VLLM_VERSION, contract.emulation)
         #: serve --emulate: every step paced to the step-time model (engine/pacing.py).
         self._cf_pacer = start_pacer(contract.emulation, self._cf_counters, log)
         if self._cf_writer is not None or self._cf_steps is not None or self._cf_pacer is not None:

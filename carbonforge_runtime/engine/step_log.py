@@ -30,7 +30,9 @@ Steps that schedule no token are not logged.
 Line kinds (``kind``):
 
 - ``engine``: written once when the scheduler starts: vLLM's version, the model, parallel sizes,
-  the scheduler limits and the KV cache size in tokens (``kv_cache_tokens``: blocks x block size).
+  the scheduler limits and the KV cache size in tokens (``kv_cache_tokens``: blocks x block size);
+  on a paced engine (``serve --emulate``) also ``emulated_cost_model`` and ``emulated_slowdown``,
+  because its step times are that model's, not the hardware's.
 - ``step``: ``step`` (a number per engine), ``t`` (Unix time of the step's end), ``wall_s``,
   ``batched_tokens``, ``prefill_tokens`` (tokens of prompt chunks and recomputation),
   ``decode_tokens`` (requests decoding one token), ``seqs`` (requests in the step),
@@ -62,7 +64,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from carbonforge_runtime.core.contract import StepLogConfig, TraceConfig
+from carbonforge_runtime.core.contract import Emulation, StepLogConfig, TraceConfig
 from carbonforge_runtime.engine.trace_sinks import JsonlSink
 from carbonforge_runtime.engine.trace_writer import TraceWriter
 
@@ -261,8 +263,11 @@ def engine_header(scheduler: Any) -> dict[str, Any]:
     return header
 
 
-def start_step_log(config: StepLogConfig, scheduler: Any, log: logging.Logger, vllm_version: str) -> StepLog:
+def start_step_log(config: StepLogConfig, scheduler: Any, log: logging.Logger, vllm_version: str,
+                   emulation: Emulation | None = None) -> StepLog:
     header = {"vllm": vllm_version, **engine_header(scheduler)}
+    if emulation is not None:
+        header |= {"emulated_cost_model": emulation.model, "emulated_slowdown": emulation.slowdown}
     engine = header.get("data_parallel_rank", 0)
     step_log = StepLog(config, engine if isinstance(engine, int) else 0, log).start(header)
     log.info("step log: one line per engine step to %s (for sim-calibrate)", config.file)

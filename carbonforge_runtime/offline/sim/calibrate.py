@@ -479,7 +479,7 @@ def engine_facts(headers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """What the log's ``engine`` lines agree on (a fact they disagree on is left out)."""
     facts: dict[str, Any] = {}
     for name in ("vllm", "model", "tensor_parallel_size", "kv_cache_tokens", "async_scheduling",
-                 "max_num_batched_tokens", "max_num_seqs"):
+                 "max_num_batched_tokens", "max_num_seqs", "emulated_cost_model", "emulated_slowdown"):
         values = {repr(h.get(name)) for h in headers if h.get(name) is not None}
         first = next((h[name] for h in headers if h.get(name) is not None), None)
         if len(values) == 1 and isinstance(first, (str, int, float, bool)):
@@ -498,6 +498,10 @@ def provenance(data: StepLogData, fit: Fit, facts: Mapping[str, Any], source: st
         engine.append(f"TP {facts['tensor_parallel_size']}")
     if "async_scheduling" in facts:
         engine.append("asynchronous scheduling" if facts["async_scheduling"] else "synchronous scheduling")
+    if "emulated_cost_model" in facts:
+        engine.append(f"a paced engine (serve --emulate) whose steps follow the step-time model "
+                      f"{facts['emulated_cost_model']} at slowdown {facts.get('emulated_slowdown', '?')}: "
+                      "the fit gives back that model, not the hardware's")
     text = (f"Fitted by carbonforge-runtime {writer} to the step log {source}: {fit.steps} steps with tokens "
             f"logged from {_utc(data.first_t)} to {_utc(data.last_t)}"
             + (f" ({', '.join(engine)})" if engine else "")

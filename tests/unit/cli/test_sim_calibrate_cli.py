@@ -139,3 +139,15 @@ def test_a_poor_fit_is_written_with_a_warning(tmp_path: Path) -> None:
     result = runner.invoke(cli.app, ["sim-calibrate", str(log), "-o", str(tmp_path / "m.yaml")])
     assert result.exit_code == 0 and "a poor fit" in result.output
     assert load_model_file(tmp_path / "m.yaml").proxy is False
+
+
+def test_a_paced_engines_log_is_fitted_with_its_provenance_saying_so(tmp_path: Path) -> None:
+    truth = shipped_models()["h100-tp2"]
+    log = write_log(tmp_path / "steps.jsonl", [header(emulated_cost_model="h100-tp2", emulated_slowdown=2.0),
+                                              *synthetic_steps(truth, 500, noise=0.01)])
+    result = runner.invoke(cli.app, ["sim-calibrate", str(log), "-o", str(tmp_path / "m.yaml")])
+    assert result.exit_code == 0, result.output
+    provenance = load_model_file(tmp_path / "m.yaml").provenance
+    assert ("a paced engine (serve --emulate) whose steps follow the step-time model h100-tp2 at slowdown 2.0"
+            in provenance)
+    assert "not the hardware's" in provenance

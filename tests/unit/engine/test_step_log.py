@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from carbonforge_runtime.core.contract import CONTRACT_ENV, EngineContract, Ordering, StepLogConfig
+from carbonforge_runtime.core.contract import CONTRACT_ENV, Emulation, EngineContract, Ordering, StepLogConfig
 from carbonforge_runtime.engine.step_log import StepLog
 from tests.support.scheduler_harness import Engine
 
@@ -62,6 +62,7 @@ def test_step_log_counts_a_chunked_prefill_by_hand(vllm_parts: dict[str, Any], m
     assert header["kind"] == "engine" and header["kv_cache_tokens"] == 200 * 16
     assert header["max_num_batched_tokens"] == 512 and header["async_scheduling"] is False
     assert header["vllm"] == "0.32.0" and header["block_size"] == 16
+    assert "emulated_cost_model" not in header and "emulated_slowdown" not in header
     counts = [(s["batched_tokens"], s["prefill_tokens"], s["decode_tokens"], s["seqs"], s["kv_read_tokens"],
                s["attention_units"], s["context_tokens"]) for s in steps]
     assert counts == [
@@ -257,3 +258,18 @@ def test_request_lines_say_when_each_new_request_entered_the_scheduler(
     # of host work after it)
     assert [r["intake_window_s"] for r in requests] == [0.0, pytest.approx(0.051)]
     assert [line["kind"] for line in lines[:3]] == ["engine", "request", "step"]
+
+
+def test_a_paced_engines_log_names_the_model_its_steps_follow(vllm_parts: dict[str, Any],
+                                                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    emulation = Emulation(model="a100-80-tp1", floor_ms=10.0, per_batched_token_ms=0.1, per_kv_token_read_ms=0.0,
+                          attention_ms=0.0, overhead_ms=0.0, proxy=True, slowdown=0.5)
+    contract = EngineContract(Ordering("fcfs", {}), None, step_log=StepLogConfig(file=str(path), flush_timeout_s=5.0),
+                              emulation=emulation)
+    monkeypatch.setenv(CONTRACT_ENV, contract.to_json())
+    engine = Engine(vllm_parts, max_num_seqs=4)
+    engine.scheduler.shutdown()
+    header = _lines(path)[0]
+    assert header["kind"] == "engine"
+    assert (header["emulated_cost_model"], header["emulated_slowdown"]) == ("a100-80-tp1", 0.5)
