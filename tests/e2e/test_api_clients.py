@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -337,36 +338,44 @@ class HealthWatch:
 
 def _send_huge(port: int, path: str, headers: str, chunked: bool, total: int) -> tuple[str, float, int]:
     """POST ``total`` bytes to ``path`` as fast as the server takes them; (status line, seconds to it,
-    bytes the socket accepted before the answer came)."""
+    bytes the socket accepted before the answer was seen).
+
+    One thread sends and looks for the answer between sends, so the count stops where the answer
+    arrived however late the machine schedules this process (a reader thread woken late let the
+    count run on for hundreds of MiB while the server read and discarded the rest)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
-    sent = 0
-    answer: list[bytes] = []
+    block = b"{" * (1 << 20)
+    piece = memoryview((b"%x\r\n" % len(block)) + block + b"\r\n" if chunked else block)
+    sent, offset, answer = 0, 0, b""
     start = time.monotonic()
-
-    def read() -> None:
-        with contextlib.suppress(OSError):
-            answer.append(sock.recv(65536))
-
-    reader = threading.Thread(target=read, daemon=True)
+    deadline = start + 30
     try:
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
                      f"{framing}\r\n\r\n".encode())
-        reader.start()
-        block = b"{" * (1 << 20)
-        piece = (b"%x\r\n" % len(block)) + block + b"\r\n" if chunked else block
-        sock.settimeout(2)
-        while sent < total and reader.is_alive():
-            try:
-                sock.sendall(piece)
-            except (TimeoutError, OSError):
+        sock.setblocking(False)
+        while not answer and time.monotonic() < deadline:
+            readable, writable, _ = select.select([sock], [sock] if sent < total else [], [], 1.0)
+            if not readable and writable:
+                try:
+                    n = sock.send(piece[offset:])
+                except BlockingIOError:
+                    continue
+                except OSError:  # the server closed its side: what it said before is still to be read
+                    readable = [sock]
+                else:
+                    sent += n
+                    offset = (offset + n) % len(piece)
+                    continue
+            if readable:
+                sock.settimeout(2)
+                with contextlib.suppress(OSError):
+                    answer = sock.recv(65536)
                 break
-            sent += len(block)
-        reader.join(timeout=10)
         elapsed = time.monotonic() - start
     finally:
         sock.close()
-    status = answer[0].split(b"\r\n", 1)[0].decode() if answer and answer[0] else "(no answer)"
+    status = answer.split(b"\r\n", 1)[0].decode() if answer else "(no answer)"
     return status, elapsed, sent
 
 
