@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,10 @@ class TraceInputError(CarbonForgeError):
 class DamagedInput(Exception):
     """The stream ended in damage; everything before it was already yielded."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, lines_read: int = 0) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.lines_read = lines_read
 
 
 def loads_line(line: bytes | str) -> Any:
@@ -213,12 +215,20 @@ def byte_line_batches(path: Path) -> Iterator[list[bytes]]:
         yield block.split(b"\n")
 
 
-def numbered_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Every non-blank line of a JSONL trace as (line number, JSON object), in file order.
+@dataclass(frozen=True)
+class NotJson:
+    """A line that did not parse: what the parser said."""
 
-    Raises :class:`TraceInputError` for a file that cannot be read, a line that is not a JSON
-    object, or damaged gzip data (after yielding every record before the damage)."""
-    check_readable(path)
+    problem: str
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """Every non-blank line of a JSONL file (plain or gzip) as (line number, parsed value), in file
+    order; a line that is not JSON comes as a :class:`NotJson`, for the caller to refuse or count.
+
+    Damaged gzip data raises :class:`DamagedInput` (with the lines read before it) after every line
+    before the damage was yielded. The one loop under the trace reader, the step-log reader and the
+    dataset export."""
     number = 0
     try:
         for batch in line_batches(path):
@@ -227,16 +237,30 @@ def numbered_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 if not line.strip():
                     continue
                 try:
-                    record = loads_line(line)
+                    value = loads_line(line)
                 except ValueError as exc:
-                    raise TraceInputError(f"{path}:{number}: is not JSON ({exc})",
-                                          "a JSONL trace has one JSON object per line") from None
-                if not isinstance(record, dict):
-                    raise TraceInputError(f"{path}:{number}: is not a JSON object",
-                                          "a JSONL trace has one JSON object per line")
-                yield number, record
+                    value = NotJson(str(exc))
+                yield number, value
     except DamagedInput as exc:
-        raise TraceInputError(f"{path}: {exc.reason}; the records up to line {number} were read",
+        raise DamagedInput(exc.reason, number) from None
+
+
+def numbered_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Every non-blank line of a JSONL trace as (line number, JSON object), in file order.
+
+    Raises :class:`TraceInputError` for a file that cannot be read, a line that is not a JSON
+    object, or damaged gzip data (after yielding every record before the damage)."""
+    check_readable(path)
+    try:
+        for number, record in json_lines(path):
+            if isinstance(record, NotJson):
+                raise TraceInputError(f"{path}:{number}: is not JSON ({record.problem})",
+                                      "a JSONL trace has one JSON object per line")
+            if not isinstance(record, dict):
+                raise TraceInputError(f"{path}:{number}: is not a JSON object",
+                                      "a JSONL trace has one JSON object per line")
+            yield number, record
+    except DamagedInput as exc:
+        raise TraceInputError(f"{path}: {exc.reason}; the records up to line {exc.lines_read} were read",
                               "copy the file again from its source, or decompress what is left "
                               "(zcat FILE > FILE.jsonl) and use that") from None
-

@@ -53,10 +53,10 @@ from carbonforge_runtime.core.twin_data import SimError, StepCostModel
 from carbonforge_runtime.offline.trace_reader import (
     MAX_REQUEST_TOKENS,
     DamagedInput,
+    NotJson,
     TraceInputError,
     check_readable,
-    line_batches,
-    loads_line,
+    json_lines,
 )
 
 #: Steps read at most; a longer log is read up to here (a fit of five million steps says all it can).
@@ -132,59 +132,52 @@ def read_step_log(path: Path, skip_first: int = 0, max_steps: int = MAX_STEPS) -
     """Every step of the log (plain or gzip JSONL), validated; raises with the file and line."""
     check_readable(path, "step log", "--step-log of serve")
     data = StepLogData(path)
-    number = 0
     try:
-        for batch in line_batches(path):
-            for line in batch:
-                number += 1
-                if not line.strip():
-                    continue
-                try:
-                    record = loads_line(line)
-                except ValueError as exc:
-                    raise _fail(path, number, f"is not JSON ({str(exc)[:80]})") from None
-                if not isinstance(record, dict):
-                    raise _fail(path, number, "is not a JSON object")
-                kind = record.get("kind")
-                if kind == "engine":
-                    if len(data.headers) < 1000:
-                        data.headers.append(record)
-                    continue
-                if kind == "request":
-                    if data.logged < skip_first:
-                        data.requests_skipped += 1
-                    elif len(data.added) < MAX_REQUESTS:
-                        data.prompt.append(_count(path, number, record, "prompt_tokens", MAX_REQUEST_TOKENS))
-                        data.window.append(_real(path, number, record, "intake_window_s", 0.0, MAX_WALL_S))
-                        data.arrival.append(_real(path, number, record, "t_arrival", 0.0, 1e11))
-                        data.added.append(_real(path, number, record, "t_added", 0.0, 1e11))
-                    continue
-                if kind != "step":
-                    raise _fail(path, number, f"is not a step-log line (kind {str(kind)[:40]!r}; a request "
-                                              "trace is not a step log)")
-                data.logged += 1
-                if data.logged <= skip_first:
-                    data.skipped += 1
-                    continue
-                if len(data.wall_ms) >= max_steps:
-                    data.truncated = True
-                    continue
-                batched = _count(path, number, record, "batched_tokens", MAX_REQUEST_TOKENS)
-                kv_read = _count(path, number, record, "kv_read_tokens", MAX_KV_READ_TOKENS)
-                attention = _real(path, number, record, "attention_units", 0.0, MAX_ATTENTION_UNITS)
-                wall_s = _real(path, number, record, "wall_s", 0.0, MAX_WALL_S, low_open=True)
-                t = _real(path, number, record, "t", 0.0, 1e11)
-                if batched == 0:
-                    data.empty += 1
-                    continue
-                data.batched.append(batched)
-                data.kv_read.append(kv_read)
-                data.attention.append(attention)
-                data.wall_ms.append(wall_s * 1000.0)
-                data.first_t = t if data.first_t is None else min(data.first_t, t)
-                data.last_t = t if data.last_t is None else max(data.last_t, t)
+        for number, record in json_lines(path):
+            if isinstance(record, NotJson):
+                raise _fail(path, number, f"is not JSON ({record.problem[:80]})")
+            if not isinstance(record, dict):
+                raise _fail(path, number, "is not a JSON object")
+            kind = record.get("kind")
+            if kind == "engine":
+                if len(data.headers) < 1000:
+                    data.headers.append(record)
+                continue
+            if kind == "request":
+                if data.logged < skip_first:
+                    data.requests_skipped += 1
+                elif len(data.added) < MAX_REQUESTS:
+                    data.prompt.append(_count(path, number, record, "prompt_tokens", MAX_REQUEST_TOKENS))
+                    data.window.append(_real(path, number, record, "intake_window_s", 0.0, MAX_WALL_S))
+                    data.arrival.append(_real(path, number, record, "t_arrival", 0.0, 1e11))
+                    data.added.append(_real(path, number, record, "t_added", 0.0, 1e11))
+                continue
+            if kind != "step":
+                raise _fail(path, number, f"is not a step-log line (kind {str(kind)[:40]!r}; a request "
+                                          "trace is not a step log)")
+            data.logged += 1
+            if data.logged <= skip_first:
+                data.skipped += 1
+                continue
+            if len(data.wall_ms) >= max_steps:
+                data.truncated = True
+                continue
+            batched = _count(path, number, record, "batched_tokens", MAX_REQUEST_TOKENS)
+            kv_read = _count(path, number, record, "kv_read_tokens", MAX_KV_READ_TOKENS)
+            attention = _real(path, number, record, "attention_units", 0.0, MAX_ATTENTION_UNITS)
+            wall_s = _real(path, number, record, "wall_s", 0.0, MAX_WALL_S, low_open=True)
+            t = _real(path, number, record, "t", 0.0, 1e11)
+            if batched == 0:
+                data.empty += 1
+                continue
+            data.batched.append(batched)
+            data.kv_read.append(kv_read)
+            data.attention.append(attention)
+            data.wall_ms.append(wall_s * 1000.0)
+            data.first_t = t if data.first_t is None else min(data.first_t, t)
+            data.last_t = t if data.last_t is None else max(data.last_t, t)
     except DamagedInput as exc:
-        raise TraceInputError(f"{path}: {exc.reason}; the lines up to {number} were read",
+        raise TraceInputError(f"{path}: {exc.reason}; the lines up to {exc.lines_read} were read",
                               "copy the file again, or decompress what is left (zcat FILE > FILE.jsonl) and use "
                               "that") from None
     if len(data.wall_ms) < MIN_STEPS:

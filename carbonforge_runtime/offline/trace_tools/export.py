@@ -34,8 +34,7 @@ from carbonforge_runtime.offline.trace_reader import (
     DamagedInput,
     TraceInputError,
     check_readable,
-    line_batches,
-    loads_line,
+    json_lines,
     trace_files,
 )
 from carbonforge_runtime.offline.trace_tools import chat_parse
@@ -206,22 +205,12 @@ def query_predicate(query: Any) -> Callable[[Record], bool]:
 
 def _records(path: Path, summary: ExportSummary) -> Any:
     check_readable(path)
-    number = 0
     try:
-        for batch in line_batches(path):
-            for line in batch:
-                number += 1
-                if not line.strip():
-                    continue
-                try:
-                    record = loads_line(line)
-                except ValueError:
-                    summary.bad_lines += 1
-                    continue
-                if not isinstance(record, dict):
-                    summary.bad_lines += 1
-                    continue
+        for _number, record in json_lines(path):
+            if isinstance(record, dict):
                 yield record
+            else:  # not JSON, or JSON that is not an object
+                summary.bad_lines += 1
     except DamagedInput as exc:
         summary.damage.append(f"{path}: {exc.reason}; the records before it were read")
 
