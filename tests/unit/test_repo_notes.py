@@ -26,6 +26,17 @@ def test_the_test_script_says_what_it_installs_and_how_long_it_takes() -> None:
     assert re.search(r"takes about \d+ minutes", echoed), echoed  # the measured time, stated in the header
 
 
+def test_the_setup_script_shows_each_package_and_says_how_long_a_first_install_takes() -> None:
+    """Both README commands start with scripts/setup.sh: a first install runs for minutes, so pip is
+    not quieted, each package is named as it is collected, and the expected time is said first."""
+    text = (REPO / "scripts" / "setup.sh").read_text()
+    install = next(line for line in text.splitlines() if "pip install" in line and "-e " in line)
+    assert " -q" not in install, install
+    assert "s/^Collecting /setup: collecting /" in text
+    echoed = "\n".join(line for line in text.splitlines() if line.startswith("echo"))
+    assert re.search(r"takes \d+-\d+ minutes", echoed), echoed
+
+
 @pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
 def test_the_default_serve_log_directory_is_ignored_by_git() -> None:
     assert 'CF_LOG_DIR:-$PWD/logs' in (REPO / "scripts" / "serve-default.sh").read_text()
