@@ -324,23 +324,30 @@ class PacedEngine:
             result = asyncio.run(run_replay(plan, options))
         errors = sorted({o.error for o in result.outcomes if o.error})
         records = self.tail.wait({o.request_id for o in result.outcomes if o.request_id})
-        self.last_arrivals = {**arrival_timing(result, records), "collector_pause_s": pauses.worst_s}
+        during = pauses.worst_s(result.started_at, result.started_at + result.duration_s)
+        self.last_arrivals = {**arrival_timing(result, records), "collector_pause_s": during}
         return records, errors
 
 
 class CollectorPauses:
-    """The longest garbage-collector pause of this process (the load generator) while in the block."""
+    """The garbage collector's pauses in this process (the load generator) while in the block, each
+    with the Unix time it began, so that the ones inside the replay's clock can be told apart from
+    the collection the replay makes before its clock starts."""
 
     def __init__(self) -> None:
-        self.worst_s = 0.0
-        self._began: float | None = None
+        self.pauses: list[tuple[float, float]] = []  # (Unix seconds at the start, seconds long)
+        self._began: tuple[float, float] | None = None
 
     def _note(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            self._began = time.perf_counter()
+            self._began = (time.time(), time.perf_counter())
         elif self._began is not None:
-            self.worst_s = max(self.worst_s, time.perf_counter() - self._began)
+            self.pauses.append((self._began[0], time.perf_counter() - self._began[1]))
             self._began = None
+
+    def worst_s(self, start: float, end: float) -> float:
+        """The longest pause that began between ``start`` and ``end`` (Unix seconds)."""
+        return max((length for at, length in self.pauses if start <= at <= end), default=0.0)
 
     def __enter__(self) -> CollectorPauses:
         gc.callbacks.append(self._note)

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+import time
 from dataclasses import dataclass
 
-from benchmarks.twin_vs_paced import ARRIVAL_STALL_S, LATE_LIMIT, arrival_timing, overtakers, unfaithful
+from benchmarks.twin_vs_paced import (
+    ARRIVAL_STALL_S,
+    LATE_LIMIT,
+    CollectorPauses,
+    arrival_timing,
+    overtakers,
+    unfaithful,
+)
 from carbonforge_runtime.offline.replay.aggregate import RequestOutcome
 
 
@@ -71,3 +80,13 @@ def test_a_request_admitted_before_an_earlier_arrival_is_an_overtaker() -> None:
     records = _admitted([(0.0, 0.15), (0.01, 0.05), (0.02, 0.10), (0.2, 0.25)])
     assert overtakers(records) == 2
     assert overtakers([*records, {"t_arrival": 0.3, "queue_wait_s": None}]) == 2
+
+
+def test_a_collection_before_the_replays_clock_is_not_counted_as_a_pause_during_it() -> None:
+    with CollectorPauses() as pauses:
+        gc.collect()  # as the replay does before its clock starts
+        clock_start = time.time()
+        assert pauses.worst_s(clock_start, clock_start + 60) == 0.0
+        gc.collect()
+    assert gc.callbacks.count(pauses._note) == 0
+    assert pauses.worst_s(clock_start, clock_start + 60) == pauses.pauses[-1][1] > 0
