@@ -1,6 +1,7 @@
 """Faults on the real CPU engine: the runtime SIGKILLed at three moments leaves no engine process
 and a free port; a drain that runs out of time still ends every request in exactly one record; a
-dead proxy in the environment does not stop readiness nor the image's healthcheck.
+dead proxy in the environment does not stop readiness nor the image's healthcheck; an engine that
+rejects its command line is reported within a minute, with vLLM's words and a hint.
 
 The drain that runs out has a fresh override-mode engine of its own (on an engine that has served
 already, the long requests can finish before the signal); override mode's plain serve and stop are
@@ -29,7 +30,7 @@ import openai
 import psutil
 import pytest
 
-from tests.support import REPO, TINY_KEY, RuntimeProcess, free_port, wait_until
+from tests.support import REPO, TEST_RECIPES, TINY_KEY, RuntimeProcess, free_port, wait_until
 from tests.support.faults import assert_gone_after_sigkill, group_members, lower_engine_priority
 
 
@@ -185,3 +186,24 @@ def test_a_drain_that_runs_out_ends_every_request_in_one_record_behind_a_dead_pr
     total = earlier + 24
     assert f"{total} requests reached the engine, {total} ended; 0 dropped before the sinks; " \
            f"records per sink: file {trace}: {total} written, 0 dropped" in engine_log, engine_log[-3000:]
+
+
+def test_engine_that_cannot_start_is_reported_quickly(tmp_path: Path) -> None:
+    """Here, not among the modules run beside another engine at the lowest CPU weight: its time bound
+    includes vLLM's own start-up, which a starved core can stretch past a minute."""
+    runtime = RuntimeProcess(["--context-key", "cf-tiny-broken:bf16:chat:cpu"], tmp_path,
+                             env={"CF_RECIPES_DIR": str(TEST_RECIPES)})
+    started = time.monotonic()
+    runtime.start()
+    try:
+        code = runtime.wait(120)
+        elapsed = time.monotonic() - started
+        out = runtime.output()
+        assert code != 0
+        assert "vLLM exited (code 2) before becoming ready" in out
+        assert "| " in out and "no-such-engine-flag" in out  # the log tail
+        assert "hint: vLLM rejected a command-line flag" in out
+        assert "Traceback" not in out
+        assert elapsed < 60, f"took {elapsed:.1f} s"
+    finally:
+        runtime.kill()

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -63,17 +64,25 @@ def lower_engine_priority(runtime: RuntimeProcess) -> None:
                 os.setpriority(os.PRIO_PROCESS, thread.id, 19)
 
 
-def long_requests(runtime: RuntimeProcess, count: int, max_tokens: int) -> tuple[ThreadPoolExecutor, list[Future[int]]]:
+def long_requests(runtime: RuntimeProcess, count: int, max_tokens: int
+                  ) -> tuple[ThreadPoolExecutor, list[Future[int]], threading.Event]:
+    """``count`` streamed requests of ``max_tokens`` each; the event is set once any answer has begun
+    (a request is running in the engine)."""
     client = openai.OpenAI(base_url=runtime.base_url, api_key="unused", timeout=300, max_retries=0)
+    streaming = threading.Event()
 
     def one(i: int) -> int:
         stream = client.chat.completions.create(
             model=TINY_SERVED_NAME, messages=[{"role": "user", "content": f"Count to a thousand, {i}"}],
             max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True})
-        return sum(1 for _ in stream)
+        chunks = 0
+        for _ in stream:
+            chunks += 1
+            streaming.set()
+        return chunks
 
     pool = ThreadPoolExecutor(max_workers=count)
-    return pool, [pool.submit(one, i) for i in range(count)]
+    return pool, [pool.submit(one, i) for i in range(count)], streaming
 
 
 def sigkill_under_load(runtime: RuntimeProcess, moment: str) -> None:
@@ -82,8 +91,10 @@ def sigkill_under_load(runtime: RuntimeProcess, moment: str) -> None:
     pool = None
     try:
         lower_engine_priority(runtime)
-        pool, futures = long_requests(runtime, 6, max_tokens=1500)
-        time.sleep(2.0)  # the requests are running
+        pool, futures, streaming = long_requests(runtime, 6, max_tokens=1500)
+        # The kill lands once an answer has begun: a fixed wait could outlast a whole answer on a
+        # fast engine (the ordering engines serve one request at a time, 1,500 tokens in about 2 s).
+        wait_until(streaming.is_set, 60, every_s=0.05, what="the first answer to begin")
         ended = [f.exception() or f.result() for f in futures if f.done()]
         assert not ended, f"the load ended before the kill: {ended!r}"
         if moment == "draining":
